@@ -1,0 +1,63 @@
+"""Run a function on N gloo ranks (spawned processes) and collect the results.
+
+Spawning is slow on 2 cores, so one world runs many checks: the function
+returns a list of results from every rank, and the test asserts on them.
+An exception on any rank fails the test with that rank's traceback.
+"""
+import os
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _worker(rank, world_size, store_dir, module_name, fn_name, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      OMP_NUM_THREADS="1")
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    out = Path(store_dir) / f"result{rank}.pkl"
+    try:
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store_dir}/store",
+                                rank=rank, world_size=world_size)
+        fn = getattr(__import__(module_name, fromlist=[fn_name]), fn_name)
+        result = ("ok", fn(*args))
+        dist.destroy_process_group()
+    except BaseException:
+        out.write_bytes(pickle.dumps(("error", traceback.format_exc())))
+        os._exit(1)  # a non-zero exit makes the parent stop the other ranks at once
+    out.write_bytes(pickle.dumps(result))
+
+
+def run_world(world_size, module_name, fn_name, *args, timeout=300):
+    """fn(*args) on every rank; returns the list of per-rank return values."""
+    with tempfile.TemporaryDirectory() as store_dir:
+        ctx = mp.start_processes(_worker, args=(world_size, store_dir, module_name, fn_name, args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"{fn_name} on {world_size} ranks ran over {timeout} s")
+        except mp.ProcessExitedException:
+            pass  # the failed rank's traceback is read below
+        results = []
+        for rank in range(world_size):
+            path = Path(store_dir) / f"result{rank}.pkl"
+            if not path.exists():
+                raise RuntimeError(f"rank {rank} died without a result")
+            status, value = pickle.loads(path.read_bytes())
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results

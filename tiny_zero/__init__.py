@@ -1,0 +1,13 @@
+"""tiny_zero: DDP, ZeRO-1/2/3 and FSDP in small, readable, tested Python."""
+from . import module, optim
+from .ddp import DDP, DDPAdamW
+from .zero1 import Zero1, Zero1AdamW
+from .zero2 import Zero2, Zero2AdamW
+
+__version__ = "0.1.0"
+
+STRATEGIES = {
+    "ddp": (DDP, DDPAdamW),
+    "zero1": (Zero1, Zero1AdamW),
+    "zero2": (Zero2, Zero2AdamW),
+}

@@ -1,0 +1,111 @@
+"""Gradient buckets: runs of parameters whose grads travel in one collective.
+
+Parameters are put in buckets in the order their gradients become ready in
+backward, which for a model built layer after layer is the reverse of
+registration order. A bucket can be sent once every one of its parameters has
+received its last gradient contribution of the step. A parameter used twice
+in a step (tied weights, a layer called twice) is counted per use, so it is
+final only after its last use's backward. Buckets are sent strictly in order,
+so every rank issues the same collectives in the same order.
+"""
+from collections import defaultdict
+
+
+def round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+class Bucket:
+    def __init__(self, index, params, pad_to=1):
+        self.index = index
+        self.params = params
+        self.offsets, size = {}, 0
+        for p in params:
+            self.offsets[p] = size
+            size += p.numel()
+        self.numel = round_up(size, pad_to)  # padded so N ranks get equal chunks
+        self.start = 0  # where this bucket begins in a flat buffer of all buckets
+        self.handle = None  # the collective in flight
+
+    def view(self, flat, p):
+        """p's place in a flat buffer that holds every bucket."""
+        begin = self.start + self.offsets[p]
+        return flat[begin:begin + p.numel()].view_as(p)
+
+    def own_view(self, buffer, p):
+        """p's place in a buffer that holds this bucket alone."""
+        begin = self.offsets[p]
+        return buffer[begin:begin + p.numel()].view_as(p)
+
+    def chunk(self, flat, rank, world_size):
+        """Rank `rank`'s 1/N of this bucket inside a flat buffer of all buckets."""
+        size = self.numel // world_size
+        return flat[self.start + rank * size:self.start + (rank + 1) * size]
+
+    def range(self, flat):
+        return flat[self.start:self.start + self.numel]
+
+
+def make_buckets(params, bucket_bytes, pad_to=1):
+    """Cut `params` (in gradient-ready order) into buckets of at most
+    bucket_bytes each (a larger parameter gets a bucket of its own)."""
+    runs, run, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if run and size + nbytes > bucket_bytes:
+            runs.append(run)
+            run, size = [], 0
+        run.append(p)
+        size += nbytes
+    if run:
+        runs.append(run)
+    buckets = [Bucket(i, run, pad_to) for i, run in enumerate(runs)]
+    start = 0
+    for b in buckets:
+        b.start = start
+        start += b.numel
+    return buckets
+
+
+class BucketQueue:
+    """Decides when each bucket may be sent: all its grads final, and every
+    bucket before it already sent."""
+
+    def __init__(self, buckets):
+        self.buckets = buckets
+        self.bucket_of = {p: b for b in buckets for p in b.params}
+        self.pending = defaultdict(int)  # param -> uses whose backward has not run yet
+        self.waiting = {b: 0 for b in buckets}  # bucket -> params with pending uses
+        self.next = 0  # index of the next bucket to send
+
+    def used_in_forward(self, params):
+        for p in params:
+            if self.pending[p] == 0:
+                self.waiting[self.bucket_of[p]] += 1
+            self.pending[p] += 1
+
+    def grad_added(self, p, send):
+        """Record one backward contribution to p; return the buckets to send now."""
+        self.pending[p] -= 1
+        if self.pending[p] == 0:
+            self.waiting[self.bucket_of[p]] -= 1
+        return self.ready_buckets() if send else []
+
+    def ready_buckets(self):
+        ready = []
+        while self.next < len(self.buckets) and self.waiting[self.buckets[self.next]] == 0:
+            ready.append(self.buckets[self.next])
+            self.next += 1
+        return ready
+
+    def unsent_buckets(self):
+        """Buckets never sent this step (their params got no grad): send them now."""
+        rest = self.buckets[self.next:]
+        self.next = len(self.buckets)
+        return rest
+
+    def new_step(self):
+        """After the optimizer step: forget uses whose backward never ran."""
+        self.next = 0
+        self.pending.clear()
+        self.waiting = {b: 0 for b in self.buckets}

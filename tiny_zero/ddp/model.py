@@ -1,0 +1,58 @@
+"""DDP: data parallelism with every rank holding everything.
+
+A rank holds: all parameters, all gradients (in one flat buffer cut into
+buckets), all optimizer state.
+Collectives: broadcast of rank 0's parameters at wrap time; all_reduce of each
+bucket during backward (module.py); the wait, and the division by N that turns
+the sum into the mean, come just before the optimizer step.
+"""
+import torch
+
+from .. import comm
+from ..buckets import BucketQueue, make_buckets
+from ..wrapper import Wrapper
+from .module import LAYER_CLASSES
+
+
+class DDP(Wrapper):
+    layer_classes = LAYER_CLASSES
+    grads_sharded = False
+
+    def __init__(self, module, bucket_bytes=25 * 2**20, device=None):
+        super().__init__(module, device)
+        self.module.to(self.device)
+        params = [p for _, p in self.named_params]
+        for p in params:
+            comm.broadcast(p.data, src=0)  # STRATEGY: every rank starts from rank 0's weights
+        self.buckets = make_buckets(params[::-1], bucket_bytes)  # backward runs last layer first
+        self.queue = BucketQueue(self.buckets)
+        total = sum(b.numel for b in self.buckets)
+        self.flat_grads = torch.zeros(total, dtype=params[0].dtype, device=self.device)
+        self.bucket_of = self.queue.bucket_of
+        for p in params:
+            p.grad = self.grad_view(p)  # p.grad is a view into the flat buffer
+
+    def grad_view(self, p):
+        return self.bucket_of[p].view(self.flat_grads, p)
+
+    def send_bucket(self, bucket):
+        bucket.handle = comm.all_reduce(bucket.range(self.flat_grads), async_op=True)  # STRATEGY
+
+    @torch.no_grad()
+    def sync_grads(self):
+        for bucket in self.queue.unsent_buckets():  # params that got no grad this step
+            self.send_bucket(bucket)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()  # STRATEGY: the only wait, just before the step
+                bucket.handle = None
+                bucket.range(self.flat_grads).div_(self.world_size)  # sum -> mean
+
+    def zero_grads(self):
+        self.flat_grads.zero_()
+
+    def local_grads(self):
+        return [self.grad_view(p) for _, p in self.named_params]
+
+    def full_state_dict(self):
+        return {k: v.detach().float().clone() for k, v in self.module.state_dict().items()}

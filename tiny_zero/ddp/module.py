@@ -1,0 +1,37 @@
+"""DDP layers: a gradient, once final, goes into its bucket; a full bucket is
+all-reduced at once, asynchronously, while backward goes on.
+
+Every rank holds all parameters and all gradients. Collective here:
+all_reduce, one per bucket, launched from backward_callback.
+"""
+import torch.nn as nn
+
+from ..module import Embedding, LayerNorm, Linear
+
+
+class DDPLayer:
+    def forward_callback(self, ctx, x):
+        if any(ctx.needs_input_grad):  # a backward will follow: expect its grads
+            self.wrapper.expect_grads(self.parameters(recurse=False))
+        return super().forward_callback(ctx, x)
+
+    def accumulate_grad(self, param, grad):
+        ddp = self.wrapper
+        ddp.grad_view(param).add_(grad)  # grads live in the bucket's flat buffer
+        for bucket in ddp.queue.grad_added(param, send=ddp.require_grad_sync):
+            ddp.send_bucket(bucket)  # STRATEGY: all-reduce now; the wait comes before the step
+
+
+class DDPLinear(DDPLayer, Linear):
+    pass
+
+
+class DDPLayerNorm(DDPLayer, LayerNorm):
+    pass
+
+
+class DDPEmbedding(DDPLayer, Embedding):
+    pass
+
+
+LAYER_CLASSES = {nn.Linear: DDPLinear, nn.LayerNorm: DDPLayerNorm, nn.Embedding: DDPEmbedding}

@@ -1,0 +1,82 @@
+"""The flat, sharded parameter layout that ZeRO-1 and ZeRO-2 share.
+
+All parameters live in one flat buffer, bucket after bucket (gradient-ready
+order). Each bucket is padded to a multiple of N and cut into N equal chunks:
+rank r owns chunk r of every bucket. So a bucket's gradient is averaged with
+one reduce_scatter (each rank receives the chunk it owns), and its updated
+parameters come back with one all_gather.
+
+    flat_params  [ bucket 0: r0 | r1 ][ bucket 1: r0 | r1 ] ...  (every rank)
+    grad_shard   [ b0 r | b1 r | ... ]                           (rank r, 1/N)
+    shard_params: the chunks of flat_params that this rank steps.
+
+The optimizer sees `shard_params` (views into flat_params, so in fp32 there
+is no second copy of the weights) with `grad_shard` as their grads.
+"""
+import torch
+import torch.nn as nn
+
+from . import comm
+from .buckets import make_buckets
+from .optim import AdamW
+from .wrapper import Wrapper
+
+
+class FlatShardWrapper(Wrapper):
+    def __init__(self, module, bucket_bytes, device):
+        super().__init__(module, device)
+        self.module.to(self.device)
+        params = [p for _, p in self.named_params]
+        self.buckets = make_buckets(params[::-1], bucket_bytes, pad_to=self.world_size)
+        total = sum(b.numel for b in self.buckets)
+        self.flat_params = torch.zeros(total, dtype=params[0].dtype, device=self.device)
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        for p in params:
+            view = self.bucket_of[p].view(self.flat_params, p)
+            view.copy_(p.data)
+            p.data = view  # the module's parameters now live in flat_params
+        comm.broadcast(self.flat_params, src=0)  # every rank starts from rank 0's weights
+        self.grad_shard = torch.zeros(total // self.world_size, dtype=self.flat_params.dtype, device=self.device)
+        self.shard_params = []
+        for b in self.buckets:
+            shard = nn.Parameter(b.chunk(self.flat_params, self.rank, self.world_size))
+            shard.grad = self.shard_of(self.grad_shard, b)
+            self.shard_params.append(shard)
+
+    def shard_of(self, shard, bucket):
+        """This rank's part of `bucket` inside a flat 1/N buffer (grad_shard)."""
+        n = self.world_size
+        return shard[bucket.start // n:(bucket.start + bucket.numel) // n]
+
+    def local_grads(self):
+        return [self.grad_shard]
+
+    @torch.no_grad()
+    def gather_params(self):
+        """After the step: every rank's updated chunks back into every rank."""
+        for b in self.buckets:
+            chunk = b.chunk(self.flat_params, self.rank, self.world_size)
+            b.handle = comm.all_gather(b.range(self.flat_params), chunk, async_op=True)
+        for b in self.buckets:
+            b.handle.wait()
+            b.handle = None
+
+    def full_state_dict(self):
+        return {k: v.detach().float().clone() for k, v in self.module.state_dict().items()}
+
+
+class FlatShardAdamW(AdamW):
+    """Steps this rank's chunks, then all-gathers the updated parameters."""
+
+    def __init__(self, model, **hyper):
+        self.model = model
+        super().__init__(model.shard_params, **hyper)
+
+    def step(self, closure=None):
+        self.model.finish_grad_sync()
+        loss = super().step(closure)
+        self.model.gather_params()
+        return loss
+
+    def zero_grad(self):
+        self.model.zero_grads()

@@ -1,0 +1,133 @@
+"""Linear, LayerNorm and Embedding with their backward written out by hand.
+
+Each layer subclasses the torch layer it replaces (same constructor, same
+parameter names, so state_dicts interchange) and runs one autograd.Function:
+
+    forward  -> layer.forward_callback(ctx, x)      returns the output
+    backward -> layer.backward_callback(ctx, grad)  returns the input's grad and
+                hands each parameter's grad to layer.accumulate_grad(param, g)
+
+A strategy subclasses a layer and overrides these three methods to add
+communication: gather the weights before the math, free them after, and send
+each gradient away as soon as it is final. The parameters are passed to the
+Function only so that autograd knows the output needs a backward; their grads
+are delivered by accumulate_grad, never by autograd, so a strategy decides
+where a gradient lives.
+"""
+import torch
+import torch.nn as nn
+
+
+class LayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer, x, *params):
+        ctx.layer = layer
+        ctx.num_params = len(params)
+        return layer.forward_callback(ctx, x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_in = ctx.layer.backward_callback(ctx, grad_out)
+        return (None, grad_in) + (None,) * ctx.num_params
+
+
+class CallbackLayer:
+    """The part every custom layer shares: the autograd plumbing and the
+    default gradient sink. Mixed into Linear, LayerNorm and Embedding below."""
+
+    def forward(self, x):
+        return LayerFunction.apply(self, x, *self.autograd_params())
+
+    def autograd_params(self):
+        """Tensors that make the output require grad (strategies may swap in shards)."""
+        return [p for p in self.parameters(recurse=False) if p.requires_grad]
+
+    def accumulate_grad(self, param, grad):
+        """Default sink: add into param.grad, as autograd would."""
+        if not param.requires_grad:
+            return
+        grad = grad.to(param.dtype)
+        if param.grad is None:
+            param.grad = grad.contiguous()
+        else:
+            param.grad += grad
+
+
+def _rows(t, width):
+    """View any number of leading dims as one: (..., width) -> (rows, width)."""
+    return t.reshape(-1, width)
+
+
+class Linear(CallbackLayer, nn.Linear):
+    def forward_callback(self, ctx, x):
+        ctx.save_for_backward(x)  # the weight is read again in backward, never saved
+        y = x @ self.weight.t()  # y = x Wᵀ + b
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def backward_callback(self, ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        grad_x = grad_out @ self.weight if ctx.needs_input_grad[1] else None  # dx = dy W
+        dy = _rows(grad_out, self.out_features)
+        self.accumulate_grad(self.weight, dy.t() @ _rows(x, self.in_features))  # dW = dyᵀ x
+        if self.bias is not None:
+            self.accumulate_grad(self.bias, dy.sum(0))  # db = Σ dy
+        return grad_x
+
+
+def _stats_dtype(x):
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class LayerNorm(CallbackLayer, nn.LayerNorm):
+    def _dims(self):
+        return tuple(range(-len(self.normalized_shape), 0))
+
+    def forward_callback(self, ctx, x):
+        dims = self._dims()
+        x32 = x.to(_stats_dtype(x))  # statistics in fp32 (or fp64) for every input dtype
+        mean = x32.mean(dims, keepdim=True)
+        rstd = torch.rsqrt(x32.var(dims, unbiased=False, keepdim=True) + self.eps)
+        ctx.save_for_backward(x, mean, rstd)
+        y = (x32 - mean) * rstd  # x̂ = (x - μ) / σ
+        if self.weight is not None:
+            y = y * self.weight.to(y.dtype)  # y = x̂ γ + β
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype)
+
+    def backward_callback(self, ctx, grad_out):
+        x, mean, rstd = ctx.saved_tensors
+        dims = self._dims()
+        width = self.weight.numel() if self.weight is not None else None
+        xhat = (x.to(mean.dtype) - mean) * rstd
+        dy = grad_out.to(mean.dtype)
+        if self.weight is not None:
+            self.accumulate_grad(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))  # dγ = Σ dy x̂
+        if self.bias is not None:
+            self.accumulate_grad(self.bias, _rows(dy, width).sum(0).view_as(self.bias))  # dβ = Σ dy
+        if not ctx.needs_input_grad[1]:
+            return None
+        g = dy * self.weight.to(dy.dtype) if self.weight is not None else dy
+        # dx = (g - mean(g) - x̂ mean(g x̂)) / σ
+        grad_x = rstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
+        return grad_x.to(x.dtype)
+
+
+class Embedding(CallbackLayer, nn.Embedding):
+    def forward_callback(self, ctx, idx):
+        if self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+            raise NotImplementedError("tiny_zero Embedding supports padding_idx only "
+                                      "(no max_norm, scale_grad_by_freq or sparse)")
+        ctx.save_for_backward(idx)
+        return self.weight[idx]  # a row lookup
+
+    def backward_callback(self, ctx, grad_out):
+        (idx,) = ctx.saved_tensors
+        grad_w = torch.zeros(self.weight.shape, dtype=grad_out.dtype, device=grad_out.device)
+        grad_w.index_add_(0, idx.reshape(-1), _rows(grad_out, self.embedding_dim))  # scatter-add rows
+        if self.padding_idx is not None:
+            grad_w[self.padding_idx] = 0  # the padding row never learns
+        self.accumulate_grad(self.weight, grad_w)
+        return None  # indices have no grad

@@ -1,0 +1,4 @@
+from .model import Zero1
+from .optim import Zero1AdamW
+
+__all__ = ["Zero1", "Zero1AdamW"]

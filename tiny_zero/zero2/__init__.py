@@ -1,0 +1,4 @@
+from .model import Zero2
+from .optim import Zero2AdamW
+
+__all__ = ["Zero2", "Zero2AdamW"]
