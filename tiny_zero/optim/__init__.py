@@ -1,0 +1,6 @@
+"""AdamW for tiny_zero: a flat-tensor update (fused Triton kernel on GPU, plain torch elsewhere)
+and a drop-in torch.optim.AdamW that uses it. Importing this package never imports triton."""
+
+from .adamw import AdamW, adamw_update_
+
+__all__ = ["AdamW", "adamw_update_"]

@@ -1,0 +1,37 @@
+"""AdamW step in plain torch: in-place ops on flat tensors, one op per formula line.
+
+This is the path used on CPU and the readable statement of the math that the Triton
+kernel (kernel.py) fuses into one pass. The op sequence mirrors torch.optim.AdamW's
+single-tensor implementation, so on the same device the results are bit-identical.
+"""
+
+import torch
+
+
+def torch_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
+                        grad_scale=1.0, param_out=None):
+    """One AdamW step on flat fp32 `param`, `exp_avg`, `exp_avg_sq` (updated in place).
+
+    `grad` may be fp32/fp16/bf16; the step uses g = grad.float() * grad_scale.
+    `step` is the step count after incrementing (>= 1). If given, `param_out` receives the new
+    param cast to its own dtype.
+    """
+    # Host-side scalars, once per call.
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2 ** 0.5
+
+    g = grad.float()  # no copy when grad is already fp32
+    if grad_scale != 1.0:
+        g = g * grad_scale  # out of place: never modify the caller's grad
+
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)                      # p *= 1 - lr * wd   (decoupled decay)
+    exp_avg.lerp_(g, 1 - beta1)                                # m = beta1 * m + (1 - beta1) * g
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)     # v = beta2 * v + (1 - beta2) * g * g
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)  # sqrt(v) / sqrt(bc2) + eps
+    param.addcdiv_(exp_avg, denom, value=-step_size)           # p -= lr / bc1 * m / denom
+
+    if param_out is not None:
+        param_out.copy_(param)
