@@ -10,6 +10,8 @@ so every rank issues the same collectives in the same order.
 """
 from collections import defaultdict
 
+import torch
+
 
 def round_up(n, multiple):
     return -(-n // multiple) * multiple
@@ -109,3 +111,54 @@ class BucketQueue:
         self.next = 0
         self.pending.clear()
         self.waiting = {b: 0 for b in self.buckets}
+
+
+class BucketedGrads:
+    """Full gradients that live only in per-bucket temporary buffers: from a
+    bucket's first grad until its collective completes (ZeRO-2, ZeRO-3, FSDP).
+
+    A complete bucket is sent at once with wrapper.send_bucket(bucket, buffer),
+    which returns the async handle; the bucket before it is then waited for
+    and handed to wrapper.bucket_done(bucket, buffer), after which its buffer
+    is dropped. So during backward at most two buckets of full grads exist.
+    """
+
+    def __init__(self, wrapper, buckets, dtype, device):
+        self.wrapper = wrapper
+        self.buckets = buckets
+        self.queue = BucketQueue(buckets)
+        self.dtype, self.device = dtype, device
+        self.buffers = {}
+
+    def add(self, param, grad):
+        bucket = self.queue.bucket_of[param]
+        bucket.own_view(self.buffer(bucket), param).add_(grad)
+        for ready in self.queue.grad_added(param, send=self.wrapper.require_grad_sync):
+            self.send(ready)
+            if ready.index > 0:
+                self.wait(self.buckets[ready.index - 1])  # it had this bucket's compute to finish
+
+    def buffer(self, bucket):
+        if bucket not in self.buffers:
+            self.buffers[bucket] = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+        return self.buffers[bucket]
+
+    def send(self, bucket):
+        bucket.handle = self.wrapper.send_bucket(bucket, self.buffer(bucket))
+
+    def wait(self, bucket):
+        if bucket.handle is not None:
+            bucket.handle.wait()
+            bucket.handle = None
+            self.wrapper.bucket_done(bucket, self.buffers.pop(bucket))  # then the full grads are freed
+
+    def finish(self):
+        """Send what backward did not (params that got no grad), wait for all."""
+        for bucket in self.queue.unsent_buckets():
+            self.send(bucket)
+        for bucket in self.buckets:
+            self.wait(bucket)
+
+    def clear(self):
+        """Drop grads accumulated under no_sync that were never sent."""
+        self.buffers.clear()

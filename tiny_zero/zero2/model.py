@@ -10,7 +10,7 @@ complete (module.py); after the step, one all_gather per bucket (optim.py).
 import torch
 
 from .. import comm
-from ..buckets import BucketQueue
+from ..buckets import BucketedGrads
 from ..flat_shards import FlatShardWrapper
 from .module import LAYER_CLASSES
 
@@ -20,33 +20,20 @@ class Zero2(FlatShardWrapper):
 
     def __init__(self, module, bucket_bytes=25 * 2**20, device=None):
         super().__init__(module, bucket_bytes, device)
-        self.queue = BucketQueue(self.buckets)
-        for b in self.buckets:
-            b.grads = None  # a bucket's full grads exist only from its first grad to its send
+        self.grads = BucketedGrads(self, self.buckets, self.flat_params.dtype, self.device)
+        self.queue = self.grads.queue
 
-    def bucket_grads(self, bucket):
-        if bucket.grads is None:
-            bucket.grads = torch.zeros(bucket.numel, dtype=self.flat_params.dtype, device=self.device)
-        return bucket.grads
-
-    def send_bucket(self, bucket):
+    def send_bucket(self, bucket, full_grads):
         shard = self.shard_of(self.grad_shard, bucket)
-        bucket.handle = comm.reduce_scatter(shard, self.bucket_grads(bucket), async_op=True)  # STRATEGY
+        return comm.reduce_scatter(shard, full_grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
 
-    def free_bucket(self, bucket):
-        if bucket.handle is not None:
-            bucket.handle.wait()
-            bucket.handle = None
-            bucket.grads = None  # STRATEGY: the full grads are gone; only the 1/N shard stays
+    def bucket_done(self, bucket, full_grads):
+        pass  # STRATEGY: nothing kept: the full grads are freed, only the chunk in grad_shard stays
 
     @torch.no_grad()
     def sync_grads(self):
-        for bucket in self.queue.unsent_buckets():  # params that got no grad this step
-            self.send_bucket(bucket)
-        for bucket in self.buckets:
-            self.free_bucket(bucket)
+        self.grads.finish()
         self.grad_shard.div_(self.world_size)  # sum -> mean
 
     def zero_grads(self):
-        for b in self.buckets:
-            b.grads = None  # buckets kept by no_sync start again from zero
+        self.grads.clear()

@@ -1,10 +1,10 @@
-"""ZeRO-2 layers: each gradient is added into its bucket's temporary buffer;
-as soon as a bucket is complete it is reduce-scattered, asynchronously, and
-the bucket before it (whose reduce-scatter has had this bucket's compute to
-finish) is waited for and freed.
+"""ZeRO-2 layers: each gradient goes into its bucket's temporary buffer; a
+complete bucket is reduce-scattered at once, asynchronously, during backward,
+and its full grads are freed when that finishes (../buckets.py,
+BucketedGrads).
 
-Compare with ../zero1/module.py: the reduce-scatter moves into backward, and
-full gradients no longer outlive their bucket.
+Compare with ../zero1/module.py: the send moves into backward, and full
+gradients no longer outlive their bucket.
 """
 import torch.nn as nn
 
@@ -18,13 +18,7 @@ class Zero2Layer:
         return super().forward_callback(ctx, x)
 
     def accumulate_grad(self, param, grad):
-        zero2 = self.wrapper
-        bucket = zero2.bucket_of[param]
-        bucket.own_view(zero2.bucket_grads(bucket), param).add_(grad)
-        for ready in zero2.queue.grad_added(param, send=zero2.require_grad_sync):
-            zero2.send_bucket(ready)  # STRATEGY: reduce-scatter now, during backward
-            if ready.index > 0:
-                zero2.free_bucket(zero2.buckets[ready.index - 1])  # STRATEGY: drop full grads
+        self.wrapper.grads.add(param, grad)  # STRATEGY: a complete bucket is reduce-scattered now
 
 
 class Zero2Linear(Zero2Layer, Linear):
