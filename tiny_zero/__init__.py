@@ -3,6 +3,7 @@ from . import module, optim
 from .ddp import DDP, DDPAdamW
 from .zero1 import Zero1, Zero1AdamW
 from .zero2 import Zero2, Zero2AdamW
+from .zero3 import Zero3, Zero3AdamW
 
 __version__ = "0.1.0"
 
@@ -10,4 +11,5 @@ STRATEGIES = {
     "ddp": (DDP, DDPAdamW),
     "zero1": (Zero1, Zero1AdamW),
     "zero2": (Zero2, Zero2AdamW),
+    "zero3": (Zero3, Zero3AdamW),
 }

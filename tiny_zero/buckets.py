@@ -21,9 +21,9 @@ class Bucket:
     def __init__(self, index, params, pad_to=1):
         self.index = index
         self.params = params
-        self.offsets, size = {}, 0
-        for p in params:
-            self.offsets[p] = size
+        self.offsets, self.shapes, size = {}, {}, 0
+        for p in params:  # shapes are kept: a sharded parameter's own shape changes
+            self.offsets[p], self.shapes[p] = size, p.shape
             size += p.numel()
         self.numel = round_up(size, pad_to)  # padded so N ranks get equal chunks
         self.start = 0  # where this bucket begins in a flat buffer of all buckets
@@ -31,13 +31,12 @@ class Bucket:
 
     def view(self, flat, p):
         """p's place in a flat buffer that holds every bucket."""
-        begin = self.start + self.offsets[p]
-        return flat[begin:begin + p.numel()].view_as(p)
+        return self.own_view(flat[self.start:], p)
 
     def own_view(self, buffer, p):
         """p's place in a buffer that holds this bucket alone."""
-        begin = self.offsets[p]
-        return buffer[begin:begin + p.numel()].view_as(p)
+        begin, shape = self.offsets[p], self.shapes[p]
+        return buffer[begin:begin + shape.numel()].view(shape)
 
     def chunk(self, flat, rank, world_size):
         """Rank `rank`'s 1/N of this bucket inside a flat buffer of all buckets."""
@@ -61,6 +60,11 @@ def make_buckets(params, bucket_bytes, pad_to=1):
         size += nbytes
     if run:
         runs.append(run)
+    return buckets_from_runs(runs, pad_to)
+
+
+def buckets_from_runs(runs, pad_to=1):
+    """Buckets for lists of parameters, laid out one after another."""
     buckets = [Bucket(i, run, pad_to) for i, run in enumerate(runs)]
     start = 0
     for b in buckets:

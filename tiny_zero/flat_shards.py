@@ -10,7 +10,7 @@ parameters come back with one all_gather.
     grad_shard   [ b0 r | b1 r | ... ]                           (rank r, 1/N)
     shard_params: the chunks of flat_params that this rank steps.
 
-The optimizer sees `shard_params` (views into flat_params, so in fp32 there
+The optimizer (optimizer_params) steps `shard_params` (views into flat_params, so in fp32 there
 is no second copy of the weights) with `grad_shard` as their grads.
 """
 import torch
@@ -18,7 +18,6 @@ import torch.nn as nn
 
 from . import comm
 from .buckets import make_buckets
-from .optim import AdamW
 from .wrapper import Wrapper
 
 
@@ -51,8 +50,11 @@ class FlatShardWrapper(Wrapper):
     def local_grads(self):
         return [self.grad_shard]
 
+    def optimizer_params(self):
+        return self.shard_params
+
     @torch.no_grad()
-    def gather_params(self):
+    def after_step(self):
         """After the step: every rank's updated chunks back into every rank."""
         for b in self.buckets:
             chunk = b.chunk(self.flat_params, self.rank, self.world_size)
@@ -63,20 +65,3 @@ class FlatShardWrapper(Wrapper):
 
     def full_state_dict(self):
         return {k: v.detach().float().clone() for k, v in self.module.state_dict().items()}
-
-
-class FlatShardAdamW(AdamW):
-    """Steps this rank's chunks, then all-gathers the updated parameters."""
-
-    def __init__(self, model, **hyper):
-        self.model = model
-        super().__init__(model.shard_params, **hyper)
-
-    def step(self, closure=None):
-        self.model.finish_grad_sync()
-        loss = super().step(closure)
-        self.model.gather_params()
-        return loss
-
-    def zero_grad(self):
-        self.model.zero_grads()

@@ -19,3 +19,13 @@ def full_value(module, name, param, device):
     value = torch.empty(param.shape, dtype=param.dtype, device=device)
     module.init_parameter(name, value)
     return value
+
+
+def set_data(param, value):
+    """Point `param` at `value`, keeping the Parameter object (so tied layers
+    stay tied). A meta parameter cannot take real data through .data, so its
+    contents are swapped instead."""
+    if param.is_meta:
+        torch.utils.swap_tensors(param, torch.nn.Parameter(value, requires_grad=param.requires_grad))
+    else:
+        param.data = value

@@ -48,6 +48,12 @@ class DDP(Wrapper):
                 bucket.handle = None
                 bucket.range(self.flat_grads).div_(self.world_size)  # sum -> mean
 
+    def optimizer_params(self):
+        return [p for _, p in self.named_params]
+
+    def after_step(self):
+        pass  # every rank made the same update: nothing to send
+
     def zero_grads(self):
         self.flat_grads.zero_()
 

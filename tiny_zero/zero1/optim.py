@@ -1,7 +1,8 @@
-"""Zero1AdamW: AdamW over this rank's chunks only (8 bytes of state per
-parameter, divided by N); after the step, all_gather the parameters."""
-from ..flat_shards import FlatShardAdamW
+"""Zero1AdamW: AdamW over this rank's 1/N chunks only (8 bytes of state per
+parameter, divided by N); after the step the wrapper all-gathers the
+updated parameters (FlatShardWrapper.after_step)."""
+from ..optim.strategy import StrategyAdamW
 
 
-class Zero1AdamW(FlatShardAdamW):
+class Zero1AdamW(StrategyAdamW):
     pass

@@ -1,6 +1,6 @@
 """Zero2AdamW: the same as Zero1AdamW; only where the grads come from differs."""
-from ..flat_shards import FlatShardAdamW
+from ..optim.strategy import StrategyAdamW
 
 
-class Zero2AdamW(FlatShardAdamW):
+class Zero2AdamW(StrategyAdamW):
     pass

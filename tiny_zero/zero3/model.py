@@ -1,0 +1,108 @@
+"""ZeRO-3, inter-tensor: each whole parameter tensor is owned by one rank.
+
+A rank holds: the tensors it owns (../partition.py: largest first, each to
+the least-loaded rank, the same table on every rank), their grads and their
+optimizer state; other parameters are empty except while a layer uses them.
+Collectives: broadcast from the owner before each layer's forward and again
+before its backward, the next layer prefetched (module.py); reduce of each
+per-owner grad bucket to its owner during backward. The owners step their
+own tensors: nothing is gathered after the step.
+"""
+import torch
+
+from .. import comm
+from ..buckets import BucketedGrads, buckets_from_runs
+from ..materialize import full_value, set_data
+from ..partition import owner_table
+from ..prefetch import Prefetcher
+from ..wrapper import Wrapper
+from .module import LAYER_CLASSES, Broadcasts
+
+
+class Zero3(Wrapper):
+    layer_classes = LAYER_CLASSES
+
+    def __init__(self, module, bucket_bytes=25 * 2**20, device=None):
+        super().__init__(module, device)
+        table = owner_table([(n, p.numel()) for n, p in self.named_params], self.world_size)
+        self.owner = {p: table[name] for name, p in self.named_params}
+        self.full_shape = {p: p.shape for _, p in self.named_params}
+        dtype = self.named_params[0][1].dtype
+        self.empty = torch.empty(0, dtype=dtype, device=self.device)
+        params = [p for _, p in self.named_params][::-1]  # gradient-ready order
+        self.buckets = owner_buckets(params, self.owner, bucket_bytes)
+        for name, p in self.named_params:
+            self.keep_own_part(name, p)
+        self.grads = BucketedGrads(self, self.buckets, dtype, self.device)
+        self.queue = self.grads.queue
+        self.prefetcher = Prefetcher(lambda layer: Broadcasts(self, layer))
+
+    def keep_own_part(self, name, p):
+        """Owners keep (or materialise) the tensor; everyone else keeps nothing."""
+        owned = self.owner[p] == self.rank
+        if p.is_meta:  # the model's own init gives every owner the same value a single device would
+            set_data(p, full_value(self.module, name, p, self.device) if owned else self.empty)
+            return
+        value = p.data.to(self.device)
+        comm.broadcast(value, src=0)  # every rank starts from rank 0's weights
+        set_data(p, value if owned else self.empty)
+
+    def owns(self, p):
+        return self.owner[p] == self.rank
+
+    def send_bucket(self, bucket, full_grads):
+        return comm.reduce(full_grads, dst=bucket.owner, async_op=True)  # STRATEGY: sum at the owner
+
+    def bucket_done(self, bucket, full_grads):
+        if bucket.owner == self.rank:  # STRATEGY: the owner keeps the sum; the others drop it
+            for p in bucket.params:
+                p.grad = bucket.own_view(full_grads, p)
+
+    @torch.no_grad()
+    def sync_grads(self):
+        self.grads.finish()
+        for g in self.local_grads():
+            g.div_(self.world_size)  # sum -> mean
+        self.prefetcher.drain()
+
+    def local_grads(self):
+        return [p.grad for p in self.optimizer_params() if p.grad is not None]
+
+    def optimizer_params(self):
+        return [p for _, p in self.named_params if self.owns(p)]
+
+    def after_step(self):
+        pass  # owners hold the only copy: nothing to gather
+
+    def zero_grads(self):
+        for p in self.optimizer_params():
+            p.grad = None
+        self.grads.clear()
+
+    @torch.no_grad()
+    def full_state_dict(self):
+        full = {}
+        for _, p in self.named_params:
+            value = p.data if self.owns(p) else torch.empty(self.full_shape[p], dtype=p.dtype, device=self.device)
+            comm.broadcast(value, src=self.owner[p])
+            full[p] = value.float().cpu().clone()
+        return {k: full[v] if v in full else v.detach().float().cpu().clone()
+                for k, v in self.module.state_dict(keep_vars=True).items()}
+
+
+def owner_buckets(params, owner, bucket_bytes):
+    """Buckets of grads bound for one owner each, at most bucket_bytes, ordered
+    by when their last grad becomes ready."""
+    runs, open_runs = [], {}
+    for position, p in enumerate(params):
+        run = open_runs.setdefault(owner[p], [])
+        if run and sum(q.numel() * q.element_size() for q in run) + p.numel() * p.element_size() > bucket_bytes:
+            runs.append((position - 1, run))
+            run = open_runs[owner[p]] = []
+        run.append(p)
+    runs += [(len(params), run) for run in open_runs.values()]
+    runs.sort(key=lambda item: item[0])
+    buckets = buckets_from_runs([run for _, run in runs])
+    for b in buckets:
+        b.owner = owner[b.params[0]]
+    return buckets

@@ -1,0 +1,72 @@
+"""ZeRO-3 layers: gather before use, free after, send grads to their owners.
+
+Before a layer computes (forward or backward), each of its parameters is
+broadcast from the rank that owns it into temporary storage; the next layer's
+broadcasts are already in flight (../prefetch.py). After computing, a rank
+frees every parameter it does not own. Grads go into per-owner buckets and a
+complete bucket is reduced to its owner at once, during backward.
+"""
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..module import Embedding, LayerNorm, Linear
+
+
+class Broadcasts:
+    """One layer's parameters, broadcast from their owners (async)."""
+
+    def __init__(self, zero3, layer):
+        self.zero3 = zero3
+        self.items = []
+        for p in layer.parameters(recurse=False):
+            owner = zero3.owner[p]
+            full = p.data if owner == zero3.rank else torch.empty(
+                zero3.full_shape[p], dtype=p.dtype, device=zero3.device)
+            handle = comm.broadcast(full, src=owner, async_op=True)  # STRATEGY: owner -> everyone
+            self.items.append((p, full, handle))
+
+    def wait(self):
+        for p, full, handle in self.items:
+            handle.wait()
+            p.data = full
+
+    def release(self):
+        for p, _, _ in self.items:
+            if self.zero3.owner[p] != self.zero3.rank:
+                p.data = self.zero3.empty  # STRATEGY: free what this rank does not own
+
+
+class Zero3Layer:
+    def forward_callback(self, ctx, x):
+        training = any(ctx.needs_input_grad)
+        if training:
+            self.wrapper.expect_grads(self.parameters(recurse=False))
+        params = self.wrapper.prefetcher.forward(self, training)  # gathered; the next layer in flight
+        out = super().forward_callback(ctx, x)
+        params.release()
+        return out
+
+    def backward_callback(self, ctx, grad_out):
+        params = self.wrapper.prefetcher.backward(self)  # gathered again; the layer before in flight
+        grad_in = super().backward_callback(ctx, grad_out)
+        params.release()
+        return grad_in
+
+    def accumulate_grad(self, param, grad):
+        self.wrapper.grads.add(param, grad)  # STRATEGY: a complete bucket is reduced to its owner now
+
+
+class Zero3Linear(Zero3Layer, Linear):
+    pass
+
+
+class Zero3LayerNorm(Zero3Layer, LayerNorm):
+    pass
+
+
+class Zero3Embedding(Zero3Layer, Embedding):
+    pass
+
+
+LAYER_CLASSES = {nn.Linear: Zero3Linear, nn.LayerNorm: Zero3LayerNorm, nn.Embedding: Zero3Embedding}
