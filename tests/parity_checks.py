@@ -68,9 +68,11 @@ def reference(mode, world_size):
     return history
 
 
-def wrap(name, module, **kwargs):
+def wrap(name, module, bucket_bytes=200):
     wrapper_cls, _ = tiny_zero.STRATEGIES[name]
-    return wrapper_cls(module, **kwargs)
+    if name == "fsdp":  # one unit per layer: no bucket size
+        return wrapper_cls(module)
+    return wrapper_cls(module, bucket_bytes=bucket_bytes)
 
 
 def train_and_compare(name, mode, ref, bucket_bytes=200):

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import run_world
 
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 MODES = ["plain", "eps1", "clip", "no_sync"]
 
 

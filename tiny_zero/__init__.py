@@ -4,6 +4,7 @@ from .ddp import DDP, DDPAdamW
 from .zero1 import Zero1, Zero1AdamW
 from .zero2 import Zero2, Zero2AdamW
 from .zero3 import Zero3, Zero3AdamW
+from .fsdp import FSDP, FSDPAdamW
 
 __version__ = "0.1.0"
 
@@ -12,4 +13,5 @@ STRATEGIES = {
     "zero1": (Zero1, Zero1AdamW),
     "zero2": (Zero2, Zero2AdamW),
     "zero3": (Zero3, Zero3AdamW),
+    "fsdp": (FSDP, FSDPAdamW),
 }

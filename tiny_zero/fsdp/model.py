@@ -1,0 +1,103 @@
+"""FSDP, intra-tensor: every tensor is split 1/N across ranks.
+
+A rank holds: for each layer, a 1/N slice of the layer's flattened, padded
+parameters (unit.shard), the same slice of its grads and optimizer state;
+full parameters only while a layer uses them.
+Collectives: all_gather of each layer's unit before its forward and again
+before its backward, the next layer prefetched (module.py); reduce_scatter
+of each unit's grads during backward. The optimizer steps the slices: no
+gather after the step.
+"""
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..buckets import BucketedGrads, buckets_from_runs
+from ..materialize import full_value, set_data
+from ..module import CallbackLayer
+from ..prefetch import Prefetcher
+from ..wrapper import Wrapper
+from .module import LAYER_CLASSES, AllGathers
+
+
+class FSDP(Wrapper):
+    layer_classes = LAYER_CLASSES
+
+    def __init__(self, module, device=None):
+        super().__init__(module, device)
+        layers = [m for m in self.module.modules() if isinstance(m, CallbackLayer)]
+        self.units = layer_units(layers, self.world_size)
+        unit_of = {p: u for u in self.units for p in u.params}
+        self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
+        dtype = self.named_params[0][1].dtype
+        self.empty = torch.empty(0, dtype=dtype, device=self.device)
+        name_of = {p: n for n, p in self.named_params}
+        for unit in self.units:
+            self.shard_unit(unit, name_of, dtype)
+        self.grads = BucketedGrads(self, self.units[::-1], dtype, self.device)  # last layer's grads first
+        self.queue = self.grads.queue
+        self.prefetcher = Prefetcher(lambda layer: AllGathers(self, layer))
+
+    def shard_unit(self, unit, name_of, dtype):
+        """Keep this rank's slice of the unit; the full tensors are dropped one at a time."""
+        size = unit.numel // self.world_size
+        begin = self.rank * size
+        unit.shard = nn.Parameter(torch.zeros(size, dtype=dtype, device=self.device))
+        unit.shard.grad = torch.zeros_like(unit.shard)
+        for p in unit.params:
+            value = full_value(self.module, name_of[p], p, self.device)
+            if not p.is_meta:
+                comm.broadcast(value, src=0)  # every rank starts from rank 0's weights
+            offset, n = unit.offsets[p], p.numel()
+            lo, hi = max(offset, begin), min(offset + n, begin + size)  # overlap of p and this slice
+            if lo < hi:
+                unit.shard.data[lo - begin:hi - begin] = value.reshape(-1)[lo - offset:hi - offset]
+            set_data(p, self.empty)
+
+    def send_bucket(self, unit, full_grads):
+        return comm.reduce_scatter(unit.shard.grad, full_grads, async_op=True)  # STRATEGY: each rank gets its slice's sum
+
+    def bucket_done(self, unit, full_grads):
+        pass  # the full grads are freed; the slice is in unit.shard.grad
+
+    @torch.no_grad()
+    def sync_grads(self):
+        self.grads.finish()
+        for g in self.local_grads():
+            g.div_(self.world_size)  # sum -> mean
+        self.prefetcher.drain()
+
+    def local_grads(self):
+        return [u.shard.grad for u in self.units]
+
+    def optimizer_params(self):
+        return [u.shard for u in self.units]
+
+    def after_step(self):
+        pass  # the next forward gathers the updated slices
+
+    def zero_grads(self):
+        self.grads.clear()
+
+    @torch.no_grad()
+    def full_state_dict(self):
+        full = {}
+        for unit in self.units:
+            flat = torch.empty(unit.numel, dtype=unit.shard.dtype, device=self.device)
+            comm.all_gather(flat, unit.shard.detach())
+            for p in unit.params:
+                full[p] = unit.own_view(flat, p).float().cpu().clone()
+        return {k: full[v] if v in full else v.detach().float().cpu().clone()
+                for k, v in self.module.state_dict(keep_vars=True).items()}
+
+
+def layer_units(layers, world_size):
+    """One unit per layer: the parameters it registers first (a tied parameter
+    belongs to the first layer that has it), padded to N equal slices."""
+    seen, runs = set(), []
+    for layer in layers:
+        own = [p for p in layer.parameters(recurse=False) if p not in seen]
+        seen.update(own)
+        if own:
+            runs.append(own)
+    return buckets_from_runs(runs, pad_to=world_size)

@@ -1,0 +1,73 @@
+"""FSDP layers: all-gather the layer's flat parameters before use, free them
+after, reduce-scatter the layer's grads.
+
+Each layer's parameters form one flat unit, split 1/N across ranks. Before
+a layer computes (forward or backward), one all_gather rebuilds the unit;
+the next layer's is already in flight (../prefetch.py). After computing, the
+full unit is freed: nothing full is kept between forward and backward. A
+unit's grads go into one buffer that is reduce-scattered, during backward, as
+soon as every parameter in it has its final grad.
+"""
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..module import Embedding, LayerNorm, Linear
+
+
+class AllGathers:
+    """The units a layer needs (its own; a tied layer's is another's), gathered async."""
+
+    def __init__(self, fsdp, layer):
+        self.fsdp = fsdp
+        self.items = []
+        for unit in fsdp.units_of[layer]:
+            full = torch.empty(unit.numel, dtype=unit.shard.dtype, device=fsdp.device)
+            handle = comm.all_gather(full, unit.shard.detach(), async_op=True)  # STRATEGY: N slices -> full
+            self.items.append((unit, full, handle))
+
+    def wait(self):
+        for unit, full, handle in self.items:
+            handle.wait()
+            for p in unit.params:
+                p.data = unit.own_view(full, p)
+
+    def release(self):
+        for unit, _, _ in self.items:
+            for p in unit.params:
+                p.data = self.fsdp.empty  # STRATEGY: reshard: drop the full unit
+
+
+class FSDPLayer:
+    def forward_callback(self, ctx, x):
+        training = any(ctx.needs_input_grad)
+        if training:
+            self.wrapper.expect_grads(self.parameters(recurse=False))
+        params = self.wrapper.prefetcher.forward(self, training)  # gathered; the next layer in flight
+        out = super().forward_callback(ctx, x)
+        params.release()
+        return out
+
+    def backward_callback(self, ctx, grad_out):
+        params = self.wrapper.prefetcher.backward(self)  # gathered again; the layer before in flight
+        grad_in = super().backward_callback(ctx, grad_out)
+        params.release()
+        return grad_in
+
+    def accumulate_grad(self, param, grad):
+        self.wrapper.grads.add(param, grad)  # STRATEGY: a complete unit is reduce-scattered now
+
+
+class FSDPLinear(FSDPLayer, Linear):
+    pass
+
+
+class FSDPLayerNorm(FSDPLayer, LayerNorm):
+    pass
+
+
+class FSDPEmbedding(FSDPLayer, Embedding):
+    pass
+
+
+LAYER_CLASSES = {nn.Linear: FSDPLinear, nn.LayerNorm: FSDPLayerNorm, nn.Embedding: FSDPEmbedding}
