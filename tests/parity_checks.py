@@ -42,17 +42,33 @@ class ParityNet(nn.Module):
         return F.cross_entropy(self.head(h).view(-1, VOCAB), targets.reshape(-1))
 
 
+class FewTensorsNet(nn.Module):
+    """Three parameter tensors (fewer than 4 ranks), one of 3 elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 3)
+        self.ln = nn.LayerNorm(3, bias=False)
+        self.head = nn.Linear(3, VOCAB, bias=False)
+
+    def forward(self, idx, targets):
+        return F.cross_entropy(self.head(self.ln(self.emb(idx))).view(-1, VOCAB), targets.reshape(-1))
+
+
+MODELS = {"parity": ParityNet, "few_tensors": FewTensorsNet}
+
+
 def global_batch(step, micro, world_size):
     g = torch.Generator().manual_seed(1000 * step + micro)
     tokens = torch.randint(0, VOCAB, (world_size * PER_RANK, SEQ + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def reference(mode, world_size):
+def reference(mode, world_size, net="parity"):
     """Single-process torch: per step, the loss, the clip norm and the params."""
     eps, clip, micro = MODES[mode]
     torch.manual_seed(0)
-    model = ParityNet()
+    model = MODELS[net]()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=eps, weight_decay=WD)
     history = []
     for step in range(STEPS):
@@ -75,11 +91,11 @@ def wrap(name, module, bucket_bytes=200):
     return wrapper_cls(module, bucket_bytes=bucket_bytes)
 
 
-def train_and_compare(name, mode, ref, bucket_bytes=200):
+def train_and_compare(name, mode, ref, net="parity"):
     eps, clip, micro = MODES[mode]
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = wrap(name, ParityNet(), bucket_bytes=bucket_bytes)
+    model = wrap(name, MODELS[net]())
     opt = tiny_zero.STRATEGIES[name][1](model, lr=LR, eps=eps, weight_decay=WD)
     failures = []
     for step in range(STEPS):
@@ -97,7 +113,7 @@ def train_and_compare(name, mode, ref, bucket_bytes=200):
         opt.zero_grad()
         dist.all_reduce(loss_sum)
         ref_loss, ref_norm, ref_state = ref[step]
-        where = f"{name}/{mode} world {world} step {step}"
+        where = f"{name}/{mode}/{net} world {world} step {step}"
         if abs(loss_sum.item() / world - ref_loss) > ATOL + RTOL * abs(ref_loss):
             failures.append(f"{where}: loss {loss_sum.item() / world} vs torch {ref_loss}")
         if clip and abs(norm - ref_norm) > ATOL + RTOL * ref_norm:
@@ -110,27 +126,12 @@ def train_and_compare(name, mode, ref, bucket_bytes=200):
     return failures
 
 
-def parity(names, modes):
+def parity(names, modes, net="parity"):
     """Every strategy in `names` x every mode, on this world; returns failures."""
     world = dist.get_world_size()
     failures = []
     for mode in modes:
-        ref = reference(mode, world)
+        ref = reference(mode, world, net)
         for name in names:
-            failures += train_and_compare(name, mode, ref)
+            failures += train_and_compare(name, mode, ref, net)
     return failures
-
-
-def comm_volume(name):
-    """Elements each kind of collective moves in one training step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = wrap(name, ParityNet(), bucket_bytes=200)
-    opt = tiny_zero.STRATEGIES[name][1](model, lr=LR)
-    x, y = (t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in global_batch(0, 0, world))
-    comm.stats.reset()
-    model.backward(model(x, y))
-    opt.step()
-    padded = sum(b.numel for b in getattr(model, "buckets", []))
-    numel = sum(p.numel() for _, p in model.named_params)
-    return dict(comm.stats.elements), numel, padded

@@ -21,11 +21,10 @@ def test_parity_with_torch(world_size):
     assert not failures, "\n".join(failures[:40])
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_communication_volume(name):
-    elements, numel, padded = run_world(2, "parity_checks", "comm_volume", name)[0]
-    if name == "ddp":  # all-reduce of every gradient once: Ψ
-        assert elements == {"all_reduce": numel}
-    else:  # reduce-scatter Ψ + all-gather Ψ (padded to N equal chunks per bucket)
-        assert numel <= padded < numel + 2 * 10
-        assert elements == {"reduce_scatter": padded, "all_gather": padded}
+def test_parity_world_4_and_degenerate_sizes():
+    """World 4: the parity model, and a model with fewer tensors (3) than ranks
+    and a LayerNorm of 2 elements (fsdp pads it), every strategy."""
+    per_rank = run_world(4, "parity_checks", "parity", STRATEGIES, ["plain", "no_sync"], "parity")
+    per_rank += run_world(4, "parity_checks", "parity", STRATEGIES, ["clip"], "few_tensors")
+    failures = [f for rank_failures in per_rank for f in rank_failures]
+    assert not failures, "\n".join(failures[:40])

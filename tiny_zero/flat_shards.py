@@ -7,11 +7,11 @@ one reduce_scatter (each rank receives the chunk it owns), and its updated
 parameters come back with one all_gather.
 
     flat_params  [ bucket 0: r0 | r1 ][ bucket 1: r0 | r1 ] ...  (every rank)
-    grad_shard   [ b0 r | b1 r | ... ]                           (rank r, 1/N)
-    shard_params: the chunks of flat_params that this rank steps.
+    shard_params: the chunks of flat_params that rank r steps.
 
-The optimizer (optimizer_params) steps `shard_params` (views into flat_params, so in fp32 there
-is no second copy of the weights) with `grad_shard` as their grads.
+The optimizer (optimizer_params) steps `shard_params`: views into
+flat_params, so in fp32 there is no second copy of the weights. Each
+strategy gives every chunk its averaged grad (`shard.grad`).
 """
 import torch
 import torch.nn as nn
@@ -35,20 +35,11 @@ class FlatShardWrapper(Wrapper):
             view.copy_(p.data)
             p.data = view  # the module's parameters now live in flat_params
         comm.broadcast(self.flat_params, src=0)  # every rank starts from rank 0's weights
-        self.grad_shard = torch.zeros(total // self.world_size, dtype=self.flat_params.dtype, device=self.device)
-        self.shard_params = []
-        for b in self.buckets:
-            shard = nn.Parameter(b.chunk(self.flat_params, self.rank, self.world_size))
-            shard.grad = self.shard_of(self.grad_shard, b)
-            self.shard_params.append(shard)
-
-    def shard_of(self, shard, bucket):
-        """This rank's part of `bucket` inside a flat 1/N buffer (grad_shard)."""
-        n = self.world_size
-        return shard[bucket.start // n:(bucket.start + bucket.numel) // n]
+        self.shard_params = [nn.Parameter(b.chunk(self.flat_params, self.rank, self.world_size))
+                             for b in self.buckets]
 
     def local_grads(self):
-        return [self.grad_shard]
+        return [shard.grad for shard in self.shard_params]
 
     def optimizer_params(self):
         return self.shard_params

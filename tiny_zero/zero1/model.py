@@ -4,7 +4,8 @@ A rank holds: all parameters (in flat_params), all gradients (in flat_grads,
 kept through backward), and optimizer state for its 1/N chunk of every bucket
 (../flat_shards.py explains the layout).
 Collectives: broadcast of rank 0's parameters at wrap time; after backward, one
-reduce_scatter per bucket (each rank gets the averaged grads of its chunk);
+reduce_scatter per bucket, in place: each rank's chunk of flat_grads receives
+the sum of that chunk over ranks (the rest of flat_grads is then stale);
 after the step, one all_gather per bucket (optim.py) brings the updated
 parameters back.
 """
@@ -21,10 +22,15 @@ class Zero1(FlatShardWrapper):
     def __init__(self, module, bucket_bytes=25 * 2**20, device=None):
         super().__init__(module, bucket_bytes, device)
         self.flat_grads = torch.zeros_like(self.flat_params)  # full grads, same layout as params
+        for shard, b in zip(self.shard_params, self.buckets):
+            shard.grad = self.my_chunk(b)
+
+    def my_chunk(self, bucket):
+        return bucket.chunk(self.flat_grads, self.rank, self.world_size)
 
     def send_bucket(self, bucket):
-        shard = self.shard_of(self.grad_shard, bucket)
-        bucket.handle = comm.reduce_scatter(shard, bucket.range(self.flat_grads), async_op=True)  # STRATEGY
+        full = bucket.range(self.flat_grads)
+        bucket.handle = comm.reduce_scatter(self.my_chunk(bucket), full, async_op=True)  # STRATEGY
 
     @torch.no_grad()
     def sync_grads(self):
@@ -33,7 +39,8 @@ class Zero1(FlatShardWrapper):
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.handle = None
-        self.grad_shard.div_(self.world_size)  # sum -> mean
+        for g in self.local_grads():
+            g.div_(self.world_size)  # sum -> mean
 
     def zero_grads(self):
         self.flat_grads.zero_()

@@ -20,11 +20,15 @@ class Zero2(FlatShardWrapper):
 
     def __init__(self, module, bucket_bytes=25 * 2**20, device=None):
         super().__init__(module, bucket_bytes, device)
+        self.grad_shard = torch.zeros(sum(b.numel for b in self.buckets) // self.world_size,
+                                      dtype=self.flat_params.dtype, device=self.device)
+        for shard, b in zip(self.shard_params, self.buckets):
+            shard.grad = self.grad_shard[b.start // self.world_size:(b.start + b.numel) // self.world_size]
         self.grads = BucketedGrads(self, self.buckets, self.flat_params.dtype, self.device)
         self.queue = self.grads.queue
 
     def send_bucket(self, bucket, full_grads):
-        shard = self.shard_of(self.grad_shard, bucket)
+        shard = self.shard_params[bucket.index].grad
         return comm.reduce_scatter(shard, full_grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
 
     def bucket_done(self, bucket, full_grads):

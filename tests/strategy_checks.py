@@ -1,0 +1,192 @@
+"""Worker functions for the strategy tests that are not plain parity: memory,
+communication volume, nothing left gathered, meta init, bad input."""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tiny_zero
+from tiny_zero import comm
+from tiny_zero.memory import TensorMemory
+from parity_checks import PER_RANK, global_batch, wrap
+from example.model import build_model
+
+FLOAT_BYTES = 4
+
+
+class ChainNet(nn.Module):
+    """No tied weights, every layer used once: each parameter is gathered
+    exactly twice per step (forward, backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 10)
+        self.ln = nn.LayerNorm(10)
+        self.fc = nn.Linear(10, 7)
+        self.head = nn.Linear(7, 13, bias=False)
+
+    def forward(self, idx, targets):
+        logits = self.head(torch.tanh(self.fc(self.ln(self.emb(idx)))))
+        return F.cross_entropy(logits.view(-1, 13), targets.reshape(-1))
+
+
+def my_batch(step=0):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in global_batch(step, 0, world)]
+
+
+def comm_per_step(name):
+    """Elements each kind of collective moves in one step, and Ψ (and Ψ padded)."""
+    torch.manual_seed(0)
+    model = wrap(name, ChainNet())
+    opt = tiny_zero.STRATEGIES[name][1](model, lr=1e-2)
+    comm.stats.reset()
+    model.backward(model(*my_batch()))
+    opt.step()
+    numel = sum(p.numel() for p in ChainNet().parameters())
+    units = getattr(model, "units", None) or getattr(model, "buckets", [])
+    padded = sum(b.numel for b in units) if name != "zero3" else numel
+    return dict(comm.stats.elements), numel, padded
+
+
+def gpt_tiny():
+    return build_model("tiny", seed=0)
+
+
+def nothing_stays_gathered(name):
+    """zero3: non-owners hold no full parameter after forward or backward.
+    fsdp: the same for every rank, and at most two layers' units (the one
+    computing and the one prefetched) are ever gathered at once."""
+    torch.manual_seed(0)
+    model = wrap(name, gpt_tiny())
+    opt = tiny_zero.STRATEGIES[name][1](model, lr=1e-3)
+    x, y = global_batch_tokens()
+    live = {"now": 0, "most": 0}
+
+    def count_gathers(start_gather):
+        """Count layers gathered and not yet released. (Counting storages
+        instead races with gloo, whose worker thread drops its reference to a
+        finished collective's output a moment after wait() returns.)"""
+        def start(layer):
+            gather = start_gather(layer)
+            live["now"] += 1
+            live["most"] = max(live["most"], live["now"])
+            release = gather.release
+
+            def counted_release():
+                release()
+                live["now"] -= 1
+            gather.release = counted_release
+            return gather
+        return start
+
+    if name == "fsdp":
+        model.prefetcher.start_gather = count_gathers(model.prefetcher.start_gather)
+    problems = []
+    for step in range(3):
+        loss = model(x, y)
+        problems += held_full(model, name, f"step {step} after forward")
+        model.backward(loss)
+        problems += held_full(model, name, f"step {step} after backward")
+        opt.step()
+        opt.zero_grad()
+    if name == "fsdp" and live["most"] > 2:
+        problems.append(f"{live['most']} units gathered at once (at most 2: current + prefetched)")
+    return problems
+
+
+def global_batch_tokens():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2 * world, 33), generator=g)[2 * rank:2 * rank + 2]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def held_full(model, name, when):
+    bad = []
+    for pname, p in model.named_params:
+        owned = name == "zero3" and model.owns(p)
+        if not owned and p.numel() != 0:
+            bad.append(f"rank {dist.get_rank()} {when}: {pname} still holds {p.numel()} elements")
+    return bad
+
+
+def model_state_bytes(name):
+    """After one step: bytes of params + grads + optimizer state held by this
+    rank, against the strategy's share: zero3 16 x (elements owned); fsdp and
+    zero1/2 the ZeRO formula with padding."""
+    torch.manual_seed(0)
+    with TensorMemory() as memory:
+        model = wrap(name, gpt_tiny(), bucket_bytes=64 * 1024)
+        opt = tiny_zero.STRATEGIES[name][1](model, lr=1e-3)
+        x, y = global_batch_tokens()
+        before_forward = memory.current
+        loss = model(x, y)
+        model.backward(loss)
+        del loss
+        after_backward = memory.current - before_forward
+        opt.step()
+        held = memory.current
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.numel() > 1)
+    numel = sum(p.numel() for p in gpt_tiny().parameters())
+    if name == "zero3":
+        share = sum(p.numel() for p in model.optimizer_params())
+        expected = 16 * share
+    elif name == "fsdp":
+        share = sum(u.numel for u in model.units) // world
+        expected = 16 * share
+    else:  # all params; zero1 all grads (each rank's chunk averaged in place), zero2 1/N
+        share = sum(b.numel for b in model.buckets) // world
+        grads = share * world * FLOAT_BYTES if name == "zero1" else share * FLOAT_BYTES
+        expected = share * world * FLOAT_BYTES + grads + 8 * share
+    biggest_bucket = max(b.numel for b in model.buckets) * FLOAT_BYTES if hasattr(model, "buckets") else 0
+    return dict(held=held, expected=expected, state=state, share=share, numel=numel,
+                after_backward=after_backward, biggest_bucket=biggest_bucket)
+
+
+def meta_init_equals_normal(name):
+    """A model built on meta and wrapped equals the normally built one, exactly."""
+    normal = gpt_tiny().state_dict()
+    with torch.device("meta"):
+        module = build_model("tiny", seed=0)
+    model = wrap(name, module)
+    full = model.full_state_dict()
+    return [k for k, v in normal.items() if not torch.equal(full[k], v)] + \
+           [k for k in full if k not in normal]
+
+
+def bad_input(case):
+    """Every rank must raise a clear error (and nobody hang)."""
+    rank = dist.get_rank()
+    try:
+        if case == "unsupported":
+            module = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(1, 1, 2))
+        else:  # the model differs across ranks
+            module = nn.Sequential(nn.Linear(4, 4 + rank))
+        tiny_zero.STRATEGIES["zero2"][0](module)
+    except (TypeError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
+def gpt2_xl_meta_memory(name, rank, world_size=4):
+    """Wrap gpt2-xl built on meta as one rank of a world of 4 (fake process
+    group: no peers, no traffic): bytes this rank ever holds, its share, and
+    the largest single tensor."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        with torch.device("meta"):
+            module = build_model("gpt2-xl")
+        largest = max(p.numel() for p in module.parameters()) * FLOAT_BYTES
+        with TensorMemory() as memory:
+            model = wrap(name, module)
+            if name == "zero3":  # owned tensors; grads come with the first backward
+                share = sum(p.numel() for p in model.optimizer_params()) * FLOAT_BYTES
+            else:  # each unit's slice, and its grad slice (allocated at wrap time)
+                share = 2 * sum(u.shard.numel() for u in model.units) * FLOAT_BYTES
+        return dict(peak=memory.peak, current=memory.current, share=share, largest=largest)
+    finally:
+        dist.destroy_process_group()
