@@ -1,0 +1,24 @@
+"""Train the example GPT on one device with tiny_zero's layers and AdamW.
+
+Run with python (one process); flags: --help.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
+
+from example import train_common as common
+import tiny_zero
+
+
+def main():
+    args = common.parse_args(__doc__)
+    data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
+    with common.memory_tracker(args) as memory:
+        model = tiny_zero.module.swap_layers(common.build_model(args)).to(args.device)
+        opt = tiny_zero.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        common.train(model, opt, data, args, memory)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""What every example/<strategy>/train.py shares: flags, data, the model, the loop.
+
+A train.py builds the model and optimizer in its own way (single device, or a
+tiny_zero wrapper) and hands them to train(). On rank 0, train() prints one
+line per step, `step N loss X`, with the loss averaged over ranks, then the
+val loss and the peak memory. Each rank takes its own rows of one global
+batch (see example/data.py), so N ranks with --batch-size b see exactly what
+one process sees with N * b.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from example.data import ByteData, load_text
+from example.model import CONFIGS, build_model as build_gpt
+from tiny_zero.memory import TensorMemory
+
+MAX_GRAD_NORM = 1.0
+
+
+def parse_args(description=None, argv=None):
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small", choices=list(CONFIGS), help="model size (default: small)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step (default: 16)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence (default: 128)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: 0.1)")
+    p.add_argument("--device", default=default_device,
+                   help=f"cpu or cuda (default here: {default_device}). The distributed wrappers choose "
+                        "their device themselves (cuda:LOCAL_RANK when CUDA is available, else cpu); "
+                        "for them this flag can only confirm that choice")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches (default: 0)")
+    p.add_argument("--data", default=None,
+                   help="a text file, or a folder of them (default: the Python standard library's source)")
+    p.add_argument("--eval-batches", type=int, default=20, help="val batches per rank at the end (default: 20)")
+    args = p.parse_args(argv)
+    for flag in ("steps", "eval_batches"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0")
+    for flag in ("batch_size", "seq_len"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    block_size = CONFIGS[args.model].block_size
+    if args.seq_len > block_size:
+        p.error(f"--seq-len {args.seq_len} is longer than model {args.model}'s block_size {block_size}")
+    args.device = torch.device(args.device)
+    return args
+
+
+def load_data(args):
+    """The byte-level data, or exit with a one-line error (before any process group exists)."""
+    try:
+        return ByteData(load_text(args.data), args.seq_len)
+    except (OSError, ValueError) as e:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def build_model(args):
+    return build_gpt(args.model, seed=args.seed)
+
+
+@contextmanager
+def memory_tracker(args):
+    """On CPU, count live tensor bytes from here on (model, grads, optimizer
+    state, activations). CUDA's allocator keeps its own statistics."""
+    if args.device.type == "cuda":
+        yield None
+    else:
+        with TensorMemory() as memory:
+            yield memory
+
+
+def train(model, opt, data, args, memory=None):
+    """Train for args.steps steps, then evaluate. `model` is a plain module or a
+    tiny_zero wrapper (which has .rank, .world_size, .device, .backward and
+    .clip_grad_norm_)."""
+    rank, world_size = getattr(model, "rank", 0), getattr(model, "world_size", 1)
+    device = getattr(model, "device", None) or next(model.parameters()).device
+    if device.type != args.device.type:
+        raise SystemExit(f"error: --device {args.device} but {type(model).__name__} runs on {device}")
+    tokens_per_step = args.batch_size * args.seq_len * world_size
+    reset_peak(memory, device)
+
+    model.train()
+    bar = tqdm(range(args.steps), disable=rank != 0, desc="train", dynamic_ncols=True)
+    start = time.perf_counter()
+    for step in bar:
+        t0 = time.perf_counter()
+        x, y = (t.to(device) for t in data.get_batch("train", args.batch_size, step, args.seed, rank, world_size))
+        loss = model(x, y)
+        if hasattr(model, "backward"):  # a wrapper: its own backward and clipping
+            model.backward(loss)
+            model.clip_grad_norm_(MAX_GRAD_NORM)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        opt.step()
+        opt.zero_grad()
+        mean_loss = average_over_ranks(loss.detach())
+        if rank == 0:
+            tokens_per_s = tokens_per_step / (time.perf_counter() - t0)
+            bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+            tqdm.write(f"step {step} loss {mean_loss:.8f}")
+    elapsed = time.perf_counter() - start
+    bar.close()
+
+    val_loss = evaluate(model, data, args, rank, world_size, device)
+    peak = peak_memory(memory, device)
+    if rank == 0:
+        if args.steps:
+            print(f"trained {args.steps} steps in {elapsed:.1f} s ({tokens_per_step * args.steps / elapsed:,.0f} tokens/s)")
+        print(f"val loss {val_loss:.6f}")
+        print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {peak_memory_kind(memory)})")
+
+
+@torch.no_grad()
+def evaluate(model, data, args, rank, world_size, device):
+    if args.eval_batches == 0:
+        return math.nan
+    model.eval()
+    total = 0.0
+    for i in range(args.eval_batches):
+        x, y = (t.to(device) for t in data.get_batch("val", args.batch_size, i, args.seed, rank, world_size))
+        total += model(x, y).float().item()
+    model.train()
+    return average_over_ranks(torch.tensor(total / args.eval_batches, device=device))
+
+
+def average_over_ranks(value):
+    """The mean of a scalar tensor over ranks, as a float (ranks hold equal batches)."""
+    value = value.float()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)  # plain torch.distributed: not counted in tiny_zero.comm's stats
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def reset_peak(memory, device):
+    if memory is not None:
+        memory.reset_peak()
+    elif device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(memory, device):
+    """Bytes at the peak on this rank, maxed over ranks."""
+    peak = memory.peak if memory is not None else torch.cuda.max_memory_allocated(device)
+    peak = torch.tensor(peak, dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
+def peak_memory_kind(memory):
+    if memory is not None:
+        return "live tensor bytes during training, counted by tiny_zero.memory"
+    return "torch.cuda.max_memory_allocated during training"

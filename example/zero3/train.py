@@ -1,0 +1,24 @@
+"""Train the example GPT with ZeRO-3 (each tensor owned by one rank).
+
+Run with python (one process) or torchrun --nproc_per_node N; flags: --help.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
+
+from example import train_common as common
+from tiny_zero.zero3 import Zero3, Zero3AdamW
+
+
+def main():
+    args = common.parse_args(__doc__)
+    data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
+    with common.memory_tracker(args) as memory:
+        model = Zero3(common.build_model(args))
+        opt = Zero3AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
+        common.train(model, opt, data, args, memory)
+
+
+if __name__ == "__main__":
+    main()
