@@ -1,0 +1,115 @@
+"""The example scripts: they train, the distributed ones print the same losses as
+one device, the README's main command runs, and bad data gives a one-line error.
+
+Each torchrun launch costs ~10 s on 2 cores, so there are few of them.
+"""
+import contextlib
+import io
+import os
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tiny_zero  # noqa: E402
+from example import train_common  # noqa: E402
+
+# One thread per process: the 2-core machines this runs on are easily oversubscribed.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TINY = ["--model", "tiny", "--seq-len", "32", "--eval-batches", "2"]
+
+
+def script(strategy):
+    return str(ROOT / "example" / strategy / "train.py")
+
+
+def run_in_process(strategy, *flags):
+    """Run example/<strategy>/train.py in this process; returns its stdout."""
+    out = io.StringIO()
+    argv, threads = sys.argv, torch.get_num_threads()
+    sys.argv = [script(strategy), *flags]
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            runpy.run_path(script(strategy), run_name="__main__")
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+    return out.getvalue()
+
+
+def run(*command, timeout=120):
+    return subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(strategy, *flags, nproc=2):
+    result = run(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                 script(strategy), *flags)
+    assert result.returncode == 0, f"{strategy} failed:\n{result.stdout}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def losses(stdout):
+    return [float(m.group(2)) for m in re.finditer(r"^step (\d+) loss (\S+)$", stdout, re.MULTILINE)]
+
+
+def test_single_device_example_learns():
+    out = run_in_process("single_device", *TINY, "--steps", "40", "--batch-size", "8")
+    curve = losses(out)
+    assert len(curve) == 40
+    assert curve[0] > 5.0  # about ln(256) = 5.55 at the start
+    assert sum(curve[-5:]) / 5 < curve[0] - 1.0, curve
+    assert re.search(r"^val loss \d+\.\d+$", out, re.MULTILINE)
+    peak = re.search(r"^peak memory (\d+\.\d+) MiB", out, re.MULTILINE)
+    assert peak and float(peak.group(1)) > 0
+
+
+@pytest.fixture(scope="module")
+def single_device_losses():
+    """The reference: one process with the global batch of 4."""
+    return losses(run_in_process("single_device", *TINY, "--steps", "4", "--batch-size", "4"))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])  # zero3: the next test
+def test_two_ranks_print_the_single_device_losses(strategy, single_device_losses):
+    if strategy not in tiny_zero.STRATEGIES:
+        pytest.skip(f"tiny_zero.{strategy} is not there yet")
+    assert len(single_device_losses) == 4
+    two_ranks = losses(torchrun(strategy, *TINY, "--steps", "4", "--batch-size", "2"))
+    assert two_ranks == pytest.approx(single_device_losses, rel=1e-5, abs=0)
+
+
+@pytest.mark.skipif("zero3" not in tiny_zero.STRATEGIES, reason="tiny_zero.zero3 is not there yet")
+def test_readme_main_command():
+    """torchrun --nproc_per_node 2 example/zero3/train.py, shortened to 5 steps."""
+    out = torchrun("zero3", "--steps", "5", "--eval-batches", "2")
+    curve = losses(out)
+    assert len(curve) == 5 and all(0 < x < 10 for x in curve), out
+    assert "val loss" in out and "peak memory" in out
+
+
+def test_missing_data_is_a_one_line_error(tmp_path):
+    missing = tmp_path / "nowhere.txt"
+    result = run(sys.executable, script("single_device"), "--data", str(missing), "--steps", "1")
+    assert result.returncode != 0
+    assert result.stderr.strip() == f"error: --data {missing}: no such file or folder"
+    assert "step" not in result.stdout
+
+
+@pytest.mark.parametrize("text, message", [(b"", "no text found"), (b"too short", "text too short")])
+def test_unusable_data_is_a_one_line_error(tmp_path, capsys, text, message):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(text)
+    args = train_common.parse_args(argv=["--data", str(path), "--seq-len", "32"])
+    with pytest.raises(SystemExit) as exit_info:
+        train_common.load_data(args)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
