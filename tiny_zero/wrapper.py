@@ -22,6 +22,16 @@ from .distributed import init_distributed, local_device
 from .module import CallbackLayer, check_supported, swap_layers
 
 
+class StrategyLayer:
+    """Mixed into every strategy's layers: a forward that a backward will
+    follow tells the wrapper which parameters will receive grads."""
+
+    def forward_callback(self, ctx, x):
+        if any(ctx.needs_input_grad):
+            self.wrapper.expect_grads(self.parameters(recurse=False))
+        return super().forward_callback(ctx, x)
+
+
 class Wrapper(nn.Module):
     layer_classes = None  # {nn.Linear: ..., nn.LayerNorm: ..., nn.Embedding: ...}
     grads_sharded = True  # False: every rank holds the same full grads (ddp)

@@ -35,13 +35,13 @@ class DDP(Wrapper):
     def grad_view(self, p):
         return self.bucket_of[p].view(self.flat_grads, p)
 
-    def send_bucket(self, bucket):
-        bucket.handle = comm.all_reduce(bucket.range(self.flat_grads), async_op=True)  # STRATEGY
+    def send_bucket(self, bucket, full_grads):
+        return comm.all_reduce(full_grads, async_op=True)  # STRATEGY: every rank gets the sum
 
     @torch.no_grad()
     def sync_grads(self):
         for bucket in self.queue.unsent_buckets():  # params that got no grad this step
-            self.send_bucket(bucket)
+            bucket.handle = self.send_bucket(bucket, bucket.range(self.flat_grads))
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()  # STRATEGY: the only wait, just before the step

@@ -7,19 +7,15 @@ all_reduce, one per bucket, launched from backward_callback.
 import torch.nn as nn
 
 from ..module import Embedding, LayerNorm, Linear
+from ..wrapper import StrategyLayer
 
 
-class DDPLayer:
-    def forward_callback(self, ctx, x):
-        if any(ctx.needs_input_grad):  # a backward will follow: expect its grads
-            self.wrapper.expect_grads(self.parameters(recurse=False))
-        return super().forward_callback(ctx, x)
-
+class DDPLayer(StrategyLayer):
     def accumulate_grad(self, param, grad):
         ddp = self.wrapper
         ddp.grad_view(param).add_(grad)  # grads live in the bucket's flat buffer
         for bucket in ddp.queue.grad_added(param, send=ddp.require_grad_sync):
-            ddp.send_bucket(bucket)  # STRATEGY: all-reduce now; the wait comes before the step
+            bucket.handle = ddp.send_bucket(bucket, bucket.range(ddp.flat_grads))  # STRATEGY: now; wait before step
 
 
 class DDPLinear(DDPLayer, Linear):

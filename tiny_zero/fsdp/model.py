@@ -15,12 +15,11 @@ from .. import comm
 from ..buckets import BucketedGrads, buckets_from_runs
 from ..materialize import full_value, set_data
 from ..module import CallbackLayer
-from ..prefetch import Prefetcher
-from ..wrapper import Wrapper
+from ..gather import GatheredWrapper, Prefetcher
 from .module import LAYER_CLASSES, AllGathers
 
 
-class FSDP(Wrapper):
+class FSDP(GatheredWrapper):
     layer_classes = LAYER_CLASSES
 
     def __init__(self, module, device=None):
@@ -60,35 +59,24 @@ class FSDP(Wrapper):
     def bucket_done(self, unit, full_grads):
         pass  # the full grads are freed; the slice is in unit.shard.grad
 
-    @torch.no_grad()
-    def sync_grads(self):
-        self.grads.finish()
-        for g in self.local_grads():
-            g.div_(self.world_size)  # sum -> mean
-        self.prefetcher.drain()
-
     def local_grads(self):
         return [u.shard.grad for u in self.units]
 
     def optimizer_params(self):
         return [u.shard for u in self.units]
 
-    def after_step(self):
-        pass  # the next forward gathers the updated slices
-
     def zero_grads(self):
         self.grads.clear()
 
     @torch.no_grad()
-    def full_state_dict(self):
+    def gather_full(self):
         full = {}
         for unit in self.units:
             flat = torch.empty(unit.numel, dtype=unit.shard.dtype, device=self.device)
             comm.all_gather(flat, unit.shard.detach())
             for p in unit.params:
                 full[p] = unit.own_view(flat, p).float().cpu().clone()
-        return {k: full[v] if v in full else v.detach().float().cpu().clone()
-                for k, v in self.module.state_dict(keep_vars=True).items()}
+        return full
 
 
 def layer_units(layers, world_size):

@@ -3,7 +3,7 @@ after, reduce-scatter the layer's grads.
 
 Each layer's parameters form one flat unit, split 1/N across ranks. Before
 a layer computes (forward or backward), one all_gather rebuilds the unit;
-the next layer's is already in flight (../prefetch.py). After computing, the
+the next layer's is already in flight (../gather.py). After computing, the
 full unit is freed: nothing full is kept between forward and backward. A
 unit's grads go into one buffer that is reduce-scattered, during backward, as
 soon as every parameter in it has its final grad.
@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..gather import GatheredLayer
 from ..module import Embedding, LayerNorm, Linear
 
 
@@ -38,24 +39,8 @@ class AllGathers:
                 p.data = self.fsdp.empty  # STRATEGY: reshard: drop the full unit
 
 
-class FSDPLayer:
-    def forward_callback(self, ctx, x):
-        training = any(ctx.needs_input_grad)
-        if training:
-            self.wrapper.expect_grads(self.parameters(recurse=False))
-        params = self.wrapper.prefetcher.forward(self, training)  # gathered; the next layer in flight
-        out = super().forward_callback(ctx, x)
-        params.release()
-        return out
-
-    def backward_callback(self, ctx, grad_out):
-        params = self.wrapper.prefetcher.backward(self)  # gathered again; the layer before in flight
-        grad_in = super().backward_callback(ctx, grad_out)
-        params.release()
-        return grad_in
-
-    def accumulate_grad(self, param, grad):
-        self.wrapper.grads.add(param, grad)  # STRATEGY: a complete unit is reduce-scattered now
+class FSDPLayer(GatheredLayer):
+    pass  # gather (AllGathers), compute, release: ../gather.py
 
 
 class FSDPLinear(FSDPLayer, Linear):

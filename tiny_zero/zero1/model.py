@@ -6,8 +6,8 @@ kept through backward), and optimizer state for its 1/N chunk of every bucket
 Collectives: broadcast of rank 0's parameters at wrap time; after backward, one
 reduce_scatter per bucket, in place: each rank's chunk of flat_grads receives
 the sum of that chunk over ranks (the rest of flat_grads is then stale);
-after the step, one all_gather per bucket (optim.py) brings the updated
-parameters back.
+after the step, one all_gather per bucket (FlatShardWrapper.after_step)
+brings the updated parameters back.
 """
 import torch
 
@@ -28,14 +28,13 @@ class Zero1(FlatShardWrapper):
     def my_chunk(self, bucket):
         return bucket.chunk(self.flat_grads, self.rank, self.world_size)
 
-    def send_bucket(self, bucket):
-        full = bucket.range(self.flat_grads)
-        bucket.handle = comm.reduce_scatter(self.my_chunk(bucket), full, async_op=True)  # STRATEGY
+    def send_bucket(self, bucket, full_grads):
+        return comm.reduce_scatter(self.my_chunk(bucket), full_grads, async_op=True)  # STRATEGY: in place
 
     @torch.no_grad()
     def sync_grads(self):
         for bucket in self.buckets:  # all buckets, after backward
-            self.send_bucket(bucket)
+            bucket.handle = self.send_bucket(bucket, bucket.range(self.flat_grads))
         for bucket in self.buckets:
             bucket.handle.wait()
             bucket.handle = None

@@ -6,14 +6,10 @@ Compare with ../ddp/module.py: the all_reduce during backward is gone.
 import torch.nn as nn
 
 from ..module import Embedding, LayerNorm, Linear
+from ..wrapper import StrategyLayer
 
 
-class Zero1Layer:
-    def forward_callback(self, ctx, x):
-        if any(ctx.needs_input_grad):
-            self.wrapper.expect_grads(self.parameters(recurse=False))
-        return super().forward_callback(ctx, x)
-
+class Zero1Layer(StrategyLayer):
     def accumulate_grad(self, param, grad):
         zero1 = self.wrapper
         zero1.bucket_of[param].view(zero1.flat_grads, param).add_(grad)  # STRATEGY: full grads, no send yet

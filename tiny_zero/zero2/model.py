@@ -5,7 +5,8 @@ gradients (grad_shard), optimizer state for that chunk, and during backward
 the full gradients of at most the bucket being filled and the one in flight.
 Collectives: broadcast of rank 0's parameters at wrap time; one
 reduce_scatter per bucket, started in backward as soon as the bucket is
-complete (module.py); after the step, one all_gather per bucket (optim.py).
+complete (module.py); after the step, one all_gather per bucket
+(FlatShardWrapper.after_step).
 """
 import torch
 

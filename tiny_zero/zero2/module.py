@@ -9,14 +9,10 @@ gradients no longer outlive their bucket.
 import torch.nn as nn
 
 from ..module import Embedding, LayerNorm, Linear
+from ..wrapper import StrategyLayer
 
 
-class Zero2Layer:
-    def forward_callback(self, ctx, x):
-        if any(ctx.needs_input_grad):
-            self.wrapper.expect_grads(self.parameters(recurse=False))
-        return super().forward_callback(ctx, x)
-
+class Zero2Layer(StrategyLayer):
     def accumulate_grad(self, param, grad):
         self.wrapper.grads.add(param, grad)  # STRATEGY: a complete bucket is reduce-scattered now
 

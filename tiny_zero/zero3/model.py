@@ -14,12 +14,11 @@ from .. import comm
 from ..buckets import BucketedGrads, buckets_from_runs
 from ..materialize import full_value, set_data
 from ..partition import owner_table
-from ..prefetch import Prefetcher
-from ..wrapper import Wrapper
+from ..gather import GatheredWrapper, Prefetcher
 from .module import LAYER_CLASSES, Broadcasts
 
 
-class Zero3(Wrapper):
+class Zero3(GatheredWrapper):
     layer_classes = LAYER_CLASSES
 
     def __init__(self, module, bucket_bytes=25 * 2**20, device=None):
@@ -58,21 +57,11 @@ class Zero3(Wrapper):
             for p in bucket.params:
                 p.grad = bucket.own_view(full_grads, p)
 
-    @torch.no_grad()
-    def sync_grads(self):
-        self.grads.finish()
-        for g in self.local_grads():
-            g.div_(self.world_size)  # sum -> mean
-        self.prefetcher.drain()
-
     def local_grads(self):
         return [p.grad for p in self.optimizer_params() if p.grad is not None]
 
     def optimizer_params(self):
         return [p for _, p in self.named_params if self.owns(p)]
-
-    def after_step(self):
-        pass  # owners hold the only copy: nothing to gather
 
     def zero_grads(self):
         for p in self.optimizer_params():
@@ -80,14 +69,13 @@ class Zero3(Wrapper):
         self.grads.clear()
 
     @torch.no_grad()
-    def full_state_dict(self):
+    def gather_full(self):
         full = {}
         for _, p in self.named_params:
             value = p.data if self.owns(p) else torch.empty(self.full_shape[p], dtype=p.dtype, device=self.device)
             comm.broadcast(value, src=self.owner[p])
             full[p] = value.float().cpu().clone()
-        return {k: full[v] if v in full else v.detach().float().cpu().clone()
-                for k, v in self.module.state_dict(keep_vars=True).items()}
+        return full
 
 
 def owner_buckets(params, owner, bucket_bytes):

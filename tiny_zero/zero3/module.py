@@ -2,14 +2,15 @@
 
 Before a layer computes (forward or backward), each of its parameters is
 broadcast from the rank that owns it into temporary storage; the next layer's
-broadcasts are already in flight (../prefetch.py). After computing, a rank
+broadcasts are already in flight (../gather.py). After computing, a rank
 frees every parameter it does not own. Grads go into per-owner buckets and a
-complete bucket is reduced to its owner at once, during backward.
+complete bucket is reduced to its owner at once, during backward (model.py).
 """
 import torch
 import torch.nn as nn
 
 from .. import comm
+from ..gather import GatheredLayer
 from ..module import Embedding, LayerNorm, Linear
 
 
@@ -37,24 +38,8 @@ class Broadcasts:
                 p.data = self.zero3.empty  # STRATEGY: free what this rank does not own
 
 
-class Zero3Layer:
-    def forward_callback(self, ctx, x):
-        training = any(ctx.needs_input_grad)
-        if training:
-            self.wrapper.expect_grads(self.parameters(recurse=False))
-        params = self.wrapper.prefetcher.forward(self, training)  # gathered; the next layer in flight
-        out = super().forward_callback(ctx, x)
-        params.release()
-        return out
-
-    def backward_callback(self, ctx, grad_out):
-        params = self.wrapper.prefetcher.backward(self)  # gathered again; the layer before in flight
-        grad_in = super().backward_callback(ctx, grad_out)
-        params.release()
-        return grad_in
-
-    def accumulate_grad(self, param, grad):
-        self.wrapper.grads.add(param, grad)  # STRATEGY: a complete bucket is reduced to its owner now
+class Zero3Layer(GatheredLayer):
+    pass  # gather (Broadcasts), compute, release: ../gather.py
 
 
 class Zero3Linear(Zero3Layer, Linear):

@@ -1,5 +1,13 @@
-"""Gather a layer's parameters before use, and the next layer's while this
-one computes (ZeRO-3 and FSDP share this; they differ in how they gather).
+"""Parameters gathered around their use: what ZeRO-3 and FSDP share.
+
+They differ only in how a layer's parameters are gathered (ZeRO-3: broadcast
+from each tensor's owner; FSDP: all-gather of the layer's slices) and where
+grads are sent; both plug that into the pieces here:
+
+    GatheredLayer    gather before computing, free after, in forward and
+                     again in backward; grads go to the wrapper's buckets
+    GatheredWrapper  the step's end: wait for the grads, average, tidy up
+    Prefetcher       the order of gathers, and the one ahead in flight
 
 The order in which layers run forward is recorded on the first step (a layer
 called twice appears twice). Afterwards, when layer k runs forward its
@@ -8,6 +16,46 @@ before layer k computes; backward walks the same order in reverse. Every rank
 records the same order, so every rank issues the same collectives. A layer
 that arrives out of the recorded order is simply gathered on the spot.
 """
+import torch
+
+from .wrapper import StrategyLayer, Wrapper
+
+
+class GatheredLayer(StrategyLayer):
+    def forward_callback(self, ctx, x):
+        params = self.wrapper.prefetcher.forward(self, any(ctx.needs_input_grad))  # next layer in flight
+        out = super().forward_callback(ctx, x)
+        params.release()  # STRATEGY: nothing full is kept for backward
+        return out
+
+    def backward_callback(self, ctx, grad_out):
+        params = self.wrapper.prefetcher.backward(self)  # gathered again; the layer before in flight
+        grad_in = super().backward_callback(ctx, grad_out)
+        params.release()
+        return grad_in
+
+    def accumulate_grad(self, param, grad):
+        self.wrapper.grads.add(param, grad)  # a complete bucket is sent now (wrapper.send_bucket)
+
+
+class GatheredWrapper(Wrapper):
+    """Subclasses set self.grads (a BucketedGrads), self.queue and
+    self.prefetcher = Prefetcher(lambda layer: <its gather of layer>)."""
+
+    @torch.no_grad()
+    def sync_grads(self):
+        self.grads.finish()
+        for g in self.local_grads():
+            g.div_(self.world_size)  # sum -> mean
+        self.prefetcher.drain()
+
+    def after_step(self):
+        pass  # the next forward gathers the updated parameters
+
+    def full_state_dict(self):
+        full = self.gather_full()  # {param: full fp32 cpu tensor}
+        return {k: full[v] if v in full else v.detach().float().cpu().clone()
+                for k, v in self.module.state_dict(keep_vars=True).items()}
 
 
 class Prefetcher:
