@@ -190,3 +190,31 @@ def gpt2_xl_meta_memory(name, rank, world_size=4):
         return dict(peak=memory.peak, current=memory.current, share=share, largest=largest)
     finally:
         dist.destroy_process_group()
+
+
+def pieces_cover_the_model(name):
+    """model.pieces() on every rank together cover every element of every
+    parameter exactly once (ddp: every rank covers everything), with the
+    values of the full model."""
+    from parity_checks import ParityNet
+    torch.manual_seed(0)
+    model = wrap(name, ParityNet())
+    full = model.full_state_dict()
+    covered = {n: torch.zeros(p.numel(), dtype=torch.int32) for n, p in ParityNet().named_parameters()}
+    wrong = []
+    for piece in model.pieces():
+        covered[piece.name][piece.lo:piece.hi] += 1
+        held = piece.tensor.detach().reshape(-1)[piece.offset:piece.offset + piece.hi - piece.lo]
+        if not torch.equal(held, full[piece.name].reshape(-1)[piece.lo:piece.hi]):
+            wrong.append(f"{name} rank {dist.get_rank()}: {piece.name}[{piece.lo}:{piece.hi}] holds other values")
+    counts = {n: c for n, c in covered.items()}
+    for c in counts.values():
+        dist.all_reduce(c)
+    expect = dist.get_world_size() if name == "ddp" else 1
+    wrong += [f"{name}: {n} covered {c.min().item()}..{c.max().item()} times" for n, c in counts.items()
+              if not bool((c == expect).all())]
+    return wrong
+
+
+def pieces_cover_all(names):
+    return [p for name in names for p in pieces_cover_the_model(name)]

@@ -67,3 +67,10 @@ def test_gpt2_xl_on_meta_never_allocates_the_model(name):
     r = gpt2_xl_meta_memory(name, rank=1)
     assert r["current"] <= r["share"] * 1.001 + 1024
     assert r["peak"] <= r["share"] + r["largest"] + 1024
+
+
+def test_pieces_cover_every_element_once():
+    """What checkpoints rely on: model.pieces() says where each element lives."""
+    for world in (3,):
+        problems = run_world(world, "strategy_checks", "pieces_cover_all", ALL)
+        assert not [p for rank in problems for p in rank]

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from . import comm
 from .buckets import make_buckets
-from .wrapper import Wrapper
+from .wrapper import Wrapper, flat_pieces
 
 
 class FlatShardWrapper(Wrapper):
@@ -53,6 +53,12 @@ class FlatShardWrapper(Wrapper):
         for b in self.buckets:
             b.handle.wait()
             b.handle = None
+
+    def pieces(self):
+        names = self.param_names()
+        size = lambda b: b.numel // self.world_size  # noqa: E731
+        return [piece for b, chunk in zip(self.buckets, self.shard_params)
+                for piece in flat_pieces(names, b, chunk, self.rank * size(b))]
 
     def full_state_dict(self):
         return {k: v.detach().float().clone() for k, v in self.module.state_dict().items()}

@@ -11,7 +11,9 @@ wrapper, which owns the strategy's buffers. The strategy fills in:
     local_grads()       the grads this rank owns, each parameter counted once
                         across ranks (sharded) or fully on every rank (ddp)
     full_state_dict()   full fp32 tensors, keys as module.state_dict()
+    pieces()            where this rank's part of each parameter lives (Piece)
 """
+from collections import namedtuple
 from contextlib import contextmanager
 
 import torch
@@ -20,6 +22,24 @@ import torch.nn as nn
 from . import comm
 from .distributed import init_distributed, local_device
 from .module import CallbackLayer, check_supported, swap_layers
+
+
+# Elements [lo, hi) of parameter `name` (flattened, full shape `shape`) are
+# held by this rank at tensor.view(-1)[offset:offset + hi - lo], where
+# `tensor` is one of the optimizer's parameters (model.optimizer_params()).
+Piece = namedtuple("Piece", "name shape lo hi tensor offset")
+
+
+def flat_pieces(names, bucket, chunk, chunk_start):
+    """Pieces of the params of `bucket` (a run laid out flat) that fall in
+    [chunk_start, chunk_start + chunk.numel()) of the bucket: zero1/2, fsdp."""
+    pieces = []
+    for p in bucket.params:
+        begin, shape = bucket.offsets[p], bucket.shapes[p]
+        lo, hi = max(begin, chunk_start), min(begin + shape.numel(), chunk_start + chunk.numel())
+        if lo < hi:
+            pieces.append(Piece(names[p], shape, lo - begin, hi - begin, chunk, lo - chunk_start))
+    return pieces
 
 
 class StrategyLayer:
@@ -80,6 +100,9 @@ class Wrapper(nn.Module):
             if self.queue is not None:
                 self.queue.new_step()
             self.grads_synced = True
+
+    def param_names(self):
+        return {p: name for name, p in self.named_params}
 
     def backward(self, loss):
         loss.backward()

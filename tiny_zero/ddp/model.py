@@ -10,7 +10,7 @@ import torch
 
 from .. import comm
 from ..buckets import BucketQueue, make_buckets
-from ..wrapper import Wrapper
+from ..wrapper import Piece, Wrapper
 from .module import LAYER_CLASSES
 
 
@@ -59,6 +59,10 @@ class DDP(Wrapper):
 
     def local_grads(self):
         return [self.grad_view(p) for _, p in self.named_params]
+
+    def pieces(self):
+        """Every rank holds every parameter whole (checkpoints write each once)."""
+        return [Piece(name, p.shape, 0, p.numel(), p, 0) for name, p in self.named_params]
 
     def full_state_dict(self):
         return {k: v.detach().float().clone() for k, v in self.module.state_dict().items()}

@@ -16,6 +16,7 @@ from ..buckets import BucketedGrads, buckets_from_runs
 from ..materialize import full_value, set_data
 from ..module import CallbackLayer
 from ..gather import GatheredWrapper, Prefetcher
+from ..wrapper import flat_pieces
 from .module import LAYER_CLASSES, AllGathers
 
 
@@ -67,6 +68,11 @@ class FSDP(GatheredWrapper):
 
     def zero_grads(self):
         self.grads.clear()
+
+    def pieces(self):
+        names = self.param_names()
+        return [piece for u in self.units
+                for piece in flat_pieces(names, u, u.shard, self.rank * u.shard.numel())]
 
     @torch.no_grad()
     def gather_full(self):

@@ -15,6 +15,7 @@ from ..buckets import BucketedGrads, buckets_from_runs
 from ..materialize import full_value, set_data
 from ..partition import owner_table
 from ..gather import GatheredWrapper, Prefetcher
+from ..wrapper import Piece
 from .module import LAYER_CLASSES, Broadcasts
 
 
@@ -67,6 +68,9 @@ class Zero3(GatheredWrapper):
         for p in self.optimizer_params():
             p.grad = None
         self.grads.clear()
+
+    def pieces(self):
+        return [Piece(name, p.shape, 0, p.numel(), p, 0) for name, p in self.named_params if self.owns(p)]
 
     @torch.no_grad()
     def gather_full(self):
