@@ -122,15 +122,7 @@ class AdamW(torch.optim.Optimizer):
                     raise RuntimeError("AdamW does not support sparse gradients")
                 if not p.is_floating_point():
                     raise RuntimeError(f"AdamW supports real floating-point params, got {p.dtype}")
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0)  # a CPU float32 scalar, as torch keeps it
-                    fp32_zeros = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
-                    state["exp_avg"] = torch.zeros_like(p, **fp32_zeros)
-                    state["exp_avg_sq"] = torch.zeros_like(p, **fp32_zeros)
-                    if p.dtype != torch.float32:
-                        state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format,
-                                                        copy=True)
+                state = self.init_state(p)
                 state["step"] += 1
 
                 if p.dtype == torch.float32:
@@ -146,6 +138,21 @@ class AdamW(torch.optim.Optimizer):
                 if work is not p and out is None:
                     p.copy_(work)
         return loss
+
+    @torch.no_grad()
+    def init_state(self, p):
+        """p's state, created as the first step creates it (step 0, zero moments, an fp32 master
+        for a low-precision p) if it does not exist yet. A checkpoint load uses it to fill the
+        state of an optimizer that has not stepped."""
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0)  # a CPU float32 scalar, as torch keeps it
+            fp32_zeros = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg"] = torch.zeros_like(p, **fp32_zeros)
+            state["exp_avg_sq"] = torch.zeros_like(p, **fp32_zeros)
+            if p.dtype != torch.float32:
+                state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        return state
 
     def load_state_dict(self, state_dict):
         # torch casts floating-point state to each param's dtype; our moments and master stay fp32.
