@@ -11,7 +11,7 @@ parameters come back with one all_gather.
 
 The optimizer (optimizer_params) steps `shard_params`: views into
 flat_params, so in fp32 there is no second copy of the weights. Each
-strategy gives every chunk its averaged grad (`shard.grad`).
+strategy keeps each chunk's averaged grad in grads_of.
 """
 import torch
 import torch.nn as nn
@@ -22,8 +22,8 @@ from .wrapper import Wrapper, flat_pieces
 
 
 class FlatShardWrapper(Wrapper):
-    def __init__(self, module, bucket_bytes, device):
-        super().__init__(module, device)
+    def __init__(self, module, bucket_bytes, **options):
+        super().__init__(module, **options)
         self.module.to(self.device)
         params = [p for _, p in self.named_params]
         self.buckets = make_buckets(params[::-1], bucket_bytes, pad_to=self.world_size)
@@ -37,9 +37,6 @@ class FlatShardWrapper(Wrapper):
         comm.broadcast(self.flat_params, src=0)  # every rank starts from rank 0's weights
         self.shard_params = [nn.Parameter(b.chunk(self.flat_params, self.rank, self.world_size))
                              for b in self.buckets]
-
-    def local_grads(self):
-        return [shard.grad for shard in self.shard_params]
 
     def optimizer_params(self):
         return self.shard_params
@@ -60,5 +57,11 @@ class FlatShardWrapper(Wrapper):
         return [piece for b, chunk in zip(self.buckets, self.shard_params)
                 for piece in flat_pieces(names, b, chunk, self.rank * size(b))]
 
-    def full_state_dict(self):
-        return {k: v.detach().float().clone() for k, v in self.module.state_dict().items()}
+    @torch.no_grad()
+    def gather_full(self):
+        full = {}
+        for b, chunk in zip(self.buckets, self.shard_params):
+            flat = torch.empty(b.numel, dtype=torch.float32, device=self.device)
+            comm.all_gather(flat, self.master(chunk))  # the fp32 masters, not the low-precision copy
+            full.update({p: b.own_view(flat, p).cpu().clone() for p in b.params})
+        return full

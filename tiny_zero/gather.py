@@ -52,11 +52,6 @@ class GatheredWrapper(Wrapper):
     def after_step(self):
         pass  # the next forward gathers the updated parameters
 
-    def full_state_dict(self):
-        full = self.gather_full()  # {param: full fp32 cpu tensor}
-        return {k: full[v] if v in full else v.detach().float().cpu().clone()
-                for k, v in self.module.state_dict(keep_vars=True).items()}
-
 
 class Prefetcher:
     def __init__(self, start_gather):

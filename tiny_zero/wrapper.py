@@ -8,10 +8,15 @@ wrapper, which owns the strategy's buffers. The strategy fills in:
     queue               a BucketQueue, if backward sends buckets as they fill
     sync_grads()        finish the gradient collectives: after it, each rank's
                         grads are averaged over ranks (called once per step)
-    local_grads()       the grads this rank owns, each parameter counted once
-                        across ranks (sharded) or fully on every rank (ddp)
-    full_state_dict()   full fp32 tensors, keys as module.state_dict()
+    optimizer_params()  the tensors this rank's optimizer steps
+    grads_of            {optimizer param: its averaged grad} (any float dtype)
+    after_step()        what follows the optimizer step (zero1/2: all-gather)
+    gather_full()       {parameter: full fp32 value}, from the fp32 masters
     pieces()            where this rank's part of each parameter lives (Piece)
+
+Under mixed precision the parameters are bf16/fp16, the grads are reduced in
+`reduce_dtype` (the parameter dtype unless asked otherwise), and the
+optimizer keeps the fp32 masters (master() finds them).
 """
 from collections import namedtuple
 from contextlib import contextmanager
@@ -22,6 +27,7 @@ import torch.nn as nn
 from . import comm
 from .distributed import init_distributed, local_device
 from .module import CallbackLayer, check_supported, swap_layers
+from .precision import LossScaler, param_dtype
 
 
 # Elements [lo, hi) of parameter `name` (flattened, full shape `shape`) are
@@ -56,14 +62,20 @@ class Wrapper(nn.Module):
     layer_classes = None  # {nn.Linear: ..., nn.LayerNorm: ..., nn.Embedding: ...}
     grads_sharded = True  # False: every rank holds the same full grads (ddp)
 
-    def __init__(self, module, device=None):
+    def __init__(self, module, mixed_precision=None, reduce_dtype=None, loss_scaler=None, device=None):
         super().__init__()
         check_supported(module)  # local, before any collective: every rank raises alike
         check_not_wrapped(module)
+        self.param_dtype = param_dtype(mixed_precision)
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        if loss_scaler is not None and mixed_precision != "fp16":
+            raise ValueError("loss_scaler is for mixed_precision='fp16' only")
+        self.loss_scaler = loss_scaler or (LossScaler() if mixed_precision == "fp16" else None)
         self.rank, self.world_size = init_distributed()
         self.device = torch.device(device) if device is not None else local_device()
         check_same_model_on_all_ranks(module)
         swap_layers(module, self.layer_classes)
+        module.to(self.param_dtype)
         for layer in module.modules():
             if isinstance(layer, CallbackLayer):
                 layer.__dict__["wrapper"] = self  # a plain attribute, not a submodule
@@ -72,6 +84,9 @@ class Wrapper(nn.Module):
         self.grads_synced = True  # no backward has run since the last sync
         self.queue = None
         self.named_params = list(module.named_parameters())  # tied parameters appear once
+        self.grads_of = {}
+        self.optimizer = None  # set by the strategy's AdamW: it holds the fp32 masters
+        self.clip_coef = 1.0
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -105,25 +120,61 @@ class Wrapper(nn.Module):
         return {p: name for name, p in self.named_params}
 
     def backward(self, loss):
+        """loss.backward(), with the loss scaled first under fp16."""
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
         loss.backward()
+
+    def local_grads(self):
+        grads = (self.grads_of.get(t) for t in self.optimizer_params())
+        return [g for g in grads if g is not None]
+
+    def master(self, tensor):
+        """The fp32 value of an optimizer param: its master if it has one."""
+        state = self.optimizer.state.get(tensor, {}) if self.optimizer is not None else {}
+        return state["master"] if "master" in state else tensor.detach().float()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
-        """Scale grads so that their global 2-norm is at most max_norm, as
-        torch.nn.utils.clip_grad_norm_ does on the unsharded model. Returns the
-        norm before clipping."""
+        """Clip the grads to a global 2-norm of at most max_norm, as
+        torch.nn.utils.clip_grad_norm_ does on the unsharded model; returns
+        the norm before clipping (of the unscaled grads under fp16). The
+        clipping coefficient is applied inside the optimizer's kernel, together
+        with the loss scale, in the same pass that reads the grads."""
         self.finish_grad_sync()
-        grads = self.local_grads()
         square_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
+        for g in self.local_grads():
             square_sum += g.float().square().sum()
         if self.grads_sharded:
             comm.all_reduce(square_sum)  # each rank holds a disjoint part
-        total_norm = square_sum.sqrt()
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        total_norm = square_sum.sqrt() / self.loss_scale()
+        self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()
         return total_norm.item()
+
+    def loss_scale(self):
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def grad_scale(self):
+        """What the optimizer multiplies the grads by: unscale and clip."""
+        return self.clip_coef / self.loss_scale()
+
+    @torch.no_grad()
+    def found_overflow(self):
+        """fp16: did any rank get an inf/nan grad? One all-reduce, so every
+        rank agrees on skipping the step."""
+        if self.loss_scaler is None:
+            return False
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in self.local_grads():
+            bad += (~torch.isfinite(g)).sum()
+        comm.all_reduce(bad)
+        return bad.item() > 0
+
+    def full_state_dict(self):
+        """Full fp32 values (the masters), keys as module.state_dict(), on every rank."""
+        full = self.gather_full()
+        return {k: full[v] if v in full else v.detach().float().cpu().clone()
+                for k, v in self.module.state_dict(keep_vars=True).items()}
 
 
 def check_not_wrapped(module):

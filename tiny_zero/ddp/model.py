@@ -18,8 +18,8 @@ class DDP(Wrapper):
     layer_classes = LAYER_CLASSES
     grads_sharded = False
 
-    def __init__(self, module, bucket_bytes=25 * 2**20, device=None):
-        super().__init__(module, device)
+    def __init__(self, module, bucket_bytes=25 * 2**20, **options):
+        super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         self.module.to(self.device)
         params = [p for _, p in self.named_params]
         for p in params:
@@ -27,10 +27,9 @@ class DDP(Wrapper):
         self.buckets = make_buckets(params[::-1], bucket_bytes)  # backward runs last layer first
         self.queue = BucketQueue(self.buckets)
         total = sum(b.numel for b in self.buckets)
-        self.flat_grads = torch.zeros(total, dtype=params[0].dtype, device=self.device)
+        self.flat_grads = torch.zeros(total, dtype=self.reduce_dtype, device=self.device)
         self.bucket_of = self.queue.bucket_of
-        for p in params:
-            p.grad = self.grad_view(p)  # p.grad is a view into the flat buffer
+        self.grads_of = {p: self.grad_view(p) for p in params}  # views into the flat buffer
 
     def grad_view(self, p):
         return self.bucket_of[p].view(self.flat_grads, p)
@@ -57,12 +56,9 @@ class DDP(Wrapper):
     def zero_grads(self):
         self.flat_grads.zero_()
 
-    def local_grads(self):
-        return [self.grad_view(p) for _, p in self.named_params]
-
     def pieces(self):
         """Every rank holds every parameter whole (checkpoints write each once)."""
         return [Piece(name, p.shape, 0, p.numel(), p, 0) for name, p in self.named_params]
 
-    def full_state_dict(self):
-        return {k: v.detach().float().clone() for k, v in self.module.state_dict().items()}
+    def gather_full(self):
+        return {p: self.master(p).cpu().clone() for _, p in self.named_params}

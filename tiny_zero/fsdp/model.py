@@ -23,8 +23,8 @@ from .module import LAYER_CLASSES, AllGathers
 class FSDP(GatheredWrapper):
     layer_classes = LAYER_CLASSES
 
-    def __init__(self, module, device=None):
-        super().__init__(module, device)
+    def __init__(self, module, **options):
+        super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         layers = [m for m in self.module.modules() if isinstance(m, CallbackLayer)]
         self.units = layer_units(layers, self.world_size)
         unit_of = {p: u for u in self.units for p in u.params}
@@ -34,7 +34,7 @@ class FSDP(GatheredWrapper):
         name_of = {p: n for n, p in self.named_params}
         for unit in self.units:
             self.shard_unit(unit, name_of, dtype)
-        self.grads = BucketedGrads(self, self.units[::-1], dtype, self.device)  # last layer's grads first
+        self.grads = BucketedGrads(self, self.units[::-1], self.reduce_dtype, self.device)  # last layer's grads first
         self.queue = self.grads.queue
         self.prefetcher = Prefetcher(lambda layer: AllGathers(self, layer))
 
@@ -43,7 +43,7 @@ class FSDP(GatheredWrapper):
         size = unit.numel // self.world_size
         begin = self.rank * size
         unit.shard = nn.Parameter(torch.zeros(size, dtype=dtype, device=self.device))
-        unit.shard.grad = torch.zeros_like(unit.shard)
+        self.grads_of[unit.shard] = torch.zeros(size, dtype=self.reduce_dtype, device=self.device)
         for p in unit.params:
             value = full_value(self.module, name_of[p], p, self.device)
             if not p.is_meta:
@@ -55,13 +55,10 @@ class FSDP(GatheredWrapper):
             set_data(p, self.empty)
 
     def send_bucket(self, unit, full_grads):
-        return comm.reduce_scatter(unit.shard.grad, full_grads, async_op=True)  # STRATEGY: each rank gets its slice's sum
+        return comm.reduce_scatter(self.grads_of[unit.shard], full_grads, async_op=True)  # STRATEGY: each rank gets its slice's sum
 
     def bucket_done(self, unit, full_grads):
-        pass  # the full grads are freed; the slice is in unit.shard.grad
-
-    def local_grads(self):
-        return [u.shard.grad for u in self.units]
+        pass  # the full grads are freed; the slice is in grads_of[unit.shard]
 
     def optimizer_params(self):
         return [u.shard for u in self.units]
@@ -78,10 +75,10 @@ class FSDP(GatheredWrapper):
     def gather_full(self):
         full = {}
         for unit in self.units:
-            flat = torch.empty(unit.numel, dtype=unit.shard.dtype, device=self.device)
-            comm.all_gather(flat, unit.shard.detach())
+            flat = torch.empty(unit.numel, dtype=torch.float32, device=self.device)
+            comm.all_gather(flat, self.master(unit.shard))  # the fp32 masters
             for p in unit.params:
-                full[p] = unit.own_view(flat, p).float().cpu().clone()
+                full[p] = unit.own_view(flat, p).cpu().clone()
         return full
 
 

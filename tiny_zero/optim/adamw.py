@@ -116,9 +116,10 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
+                grad = self.grad_of(p)
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.is_sparse:
                     raise RuntimeError("AdamW does not support sparse gradients")
                 if not p.is_floating_point():
                     raise RuntimeError(f"AdamW supports real floating-point params, got {p.dtype}")
@@ -131,13 +132,17 @@ class AdamW(torch.optim.Optimizer):
                 else:
                     work = state["master"]
                     out = p.view(-1) if p.is_contiguous() else None
-                adamw_update_(work.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1),
+                adamw_update_(work.view(-1), grad.reshape(-1), state["exp_avg"].view(-1),
                               state["exp_avg_sq"].view(-1), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                               eps=group["eps"], weight_decay=group["weight_decay"], step=state["step"].item(),
                               grad_scale=self.grad_scale, param_out=out, kernel=self.kernel)
                 if work is not p and out is None:
                     p.copy_(work)
         return loss
+
+    def grad_of(self, param):
+        """The grad to step `param` with (strategies keep theirs elsewhere)."""
+        return param.grad
 
     @torch.no_grad()
     def init_state(self, p):

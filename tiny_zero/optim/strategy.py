@@ -2,9 +2,12 @@
 
 AdamW over the tensors that the strategy's wrapper says this rank steps
 (model.optimizer_params()): all parameters (ddp), this rank's chunks (zero1,
-zero2, fsdp) or the tensors it owns (zero3). step() first completes the
-step's gradient collectives, and afterwards lets the wrapper do what its
-strategy needs (zero1/zero2: all-gather the updated parameters).
+zero2, fsdp) or the tensors it owns (zero3), with the averaged grads the
+wrapper keeps for them (model.grads_of). step() first completes the step's
+gradient collectives; under fp16 it skips the step on every rank if any
+rank's grads overflowed; it unscales and clips inside the AdamW update; and
+afterwards it lets the wrapper do what its strategy needs (zero1/zero2:
+all-gather the updated parameters).
 """
 from .adamw import AdamW
 
@@ -13,11 +16,29 @@ class StrategyAdamW(AdamW):
     def __init__(self, model, **hyper):
         self.model = model
         super().__init__([{"params": model.optimizer_params()}], **hyper)
+        model.optimizer = self  # the wrapper reads the fp32 masters from here
+        self.skipped_steps = 0
+
+    @property
+    def loss_scale(self):
+        return self.model.loss_scale()
+
+    def grad_of(self, param):
+        return self.model.grads_of.get(param)
 
     def step(self):
-        self.model.finish_grad_sync()
-        super().step()
-        self.model.after_step()
+        model = self.model
+        model.finish_grad_sync()
+        overflow = model.found_overflow()
+        if model.loss_scaler is not None:
+            model.loss_scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1  # every rank skips: the params stay as they are
+        else:
+            self.grad_scale = model.grad_scale()  # 1/loss scale x clip coefficient
+            super().step()
+            model.after_step()
+        model.clip_coef = 1.0
 
     def zero_grad(self):
         self.model.zero_grads()

@@ -19,11 +19,11 @@ from .module import LAYER_CLASSES
 class Zero1(FlatShardWrapper):
     layer_classes = LAYER_CLASSES
 
-    def __init__(self, module, bucket_bytes=25 * 2**20, device=None):
-        super().__init__(module, bucket_bytes, device)
-        self.flat_grads = torch.zeros_like(self.flat_params)  # full grads, same layout as params
-        for shard, b in zip(self.shard_params, self.buckets):
-            shard.grad = self.my_chunk(b)
+    def __init__(self, module, bucket_bytes=25 * 2**20, **options):
+        super().__init__(module, bucket_bytes, **options)
+        # full grads, laid out as flat_params
+        self.flat_grads = torch.zeros(self.flat_params.numel(), dtype=self.reduce_dtype, device=self.device)
+        self.grads_of = {shard: self.my_chunk(b) for shard, b in zip(self.shard_params, self.buckets)}
 
     def my_chunk(self, bucket):
         return bucket.chunk(self.flat_grads, self.rank, self.world_size)

@@ -19,17 +19,17 @@ from .module import LAYER_CLASSES
 class Zero2(FlatShardWrapper):
     layer_classes = LAYER_CLASSES
 
-    def __init__(self, module, bucket_bytes=25 * 2**20, device=None):
-        super().__init__(module, bucket_bytes, device)
-        self.grad_shard = torch.zeros(sum(b.numel for b in self.buckets) // self.world_size,
-                                      dtype=self.flat_params.dtype, device=self.device)
-        for shard, b in zip(self.shard_params, self.buckets):
-            shard.grad = self.grad_shard[b.start // self.world_size:(b.start + b.numel) // self.world_size]
-        self.grads = BucketedGrads(self, self.buckets, self.flat_params.dtype, self.device)
+    def __init__(self, module, bucket_bytes=25 * 2**20, **options):
+        super().__init__(module, bucket_bytes, **options)
+        n = self.world_size
+        self.grad_shard = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)
+        self.grads_of = {shard: self.grad_shard[b.start // n:(b.start + b.numel) // n]
+                         for shard, b in zip(self.shard_params, self.buckets)}
+        self.grads = BucketedGrads(self, self.buckets, self.reduce_dtype, self.device)
         self.queue = self.grads.queue
 
     def send_bucket(self, bucket, full_grads):
-        shard = self.shard_params[bucket.index].grad
+        shard = self.grads_of[self.shard_params[bucket.index]]
         return comm.reduce_scatter(shard, full_grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
 
     def bucket_done(self, bucket, full_grads):

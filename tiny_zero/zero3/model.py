@@ -22,8 +22,8 @@ from .module import LAYER_CLASSES, Broadcasts
 class Zero3(GatheredWrapper):
     layer_classes = LAYER_CLASSES
 
-    def __init__(self, module, bucket_bytes=25 * 2**20, device=None):
-        super().__init__(module, device)
+    def __init__(self, module, bucket_bytes=25 * 2**20, **options):
+        super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         table = owner_table([(n, p.numel()) for n, p in self.named_params], self.world_size)
         self.owner = {p: table[name] for name, p in self.named_params}
         self.full_shape = {p: p.shape for _, p in self.named_params}
@@ -33,7 +33,7 @@ class Zero3(GatheredWrapper):
         self.buckets = owner_buckets(params, self.owner, bucket_bytes)
         for name, p in self.named_params:
             self.keep_own_part(name, p)
-        self.grads = BucketedGrads(self, self.buckets, dtype, self.device)
+        self.grads = BucketedGrads(self, self.buckets, self.reduce_dtype, self.device)
         self.queue = self.grads.queue
         self.prefetcher = Prefetcher(lambda layer: Broadcasts(self, layer))
 
@@ -56,17 +56,13 @@ class Zero3(GatheredWrapper):
     def bucket_done(self, bucket, full_grads):
         if bucket.owner == self.rank:  # STRATEGY: the owner keeps the sum; the others drop it
             for p in bucket.params:
-                p.grad = bucket.own_view(full_grads, p)
-
-    def local_grads(self):
-        return [p.grad for p in self.optimizer_params() if p.grad is not None]
+                self.grads_of[p] = bucket.own_view(full_grads, p)
 
     def optimizer_params(self):
         return [p for _, p in self.named_params if self.owns(p)]
 
     def zero_grads(self):
-        for p in self.optimizer_params():
-            p.grad = None
+        self.grads_of.clear()
         self.grads.clear()
 
     def pieces(self):
@@ -76,9 +72,10 @@ class Zero3(GatheredWrapper):
     def gather_full(self):
         full = {}
         for _, p in self.named_params:
-            value = p.data if self.owns(p) else torch.empty(self.full_shape[p], dtype=p.dtype, device=self.device)
-            comm.broadcast(value, src=self.owner[p])
-            full[p] = value.float().cpu().clone()
+            owned = self.owns(p)
+            value = self.master(p) if owned else torch.empty(self.full_shape[p], device=self.device)
+            comm.broadcast(value, src=self.owner[p])  # the fp32 master, from its owner
+            full[p] = value.cpu().clone()
         return full
 
 

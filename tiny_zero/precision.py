@@ -1,0 +1,65 @@
+"""Mixed precision: parameter dtypes, and the dynamic loss scaler of fp16.
+
+Under mixed precision the model's parameters, activations and gradients are
+bf16 or fp16; the optimizer keeps fp32 master weights and moments for the
+tensors it steps (tiny_zero.optim.AdamW does this for any low-precision
+parameter). fp16's small range needs loss scaling: the loss is multiplied by
+a large scale before backward so small grads do not flush to zero, and the
+optimizer divides it out again (inside the AdamW kernel, with clipping).
+"""
+import logging
+
+import torch
+
+log = logging.getLogger("tiny_zero")
+
+DTYPES = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def param_dtype(mixed_precision):
+    if mixed_precision not in DTYPES:
+        raise ValueError(f"mixed_precision must be one of {list(DTYPES)}, got {mixed_precision!r}")
+    return DTYPES[mixed_precision]
+
+
+class LossScaler:
+    """Dynamic loss scaling with DeepSpeed's defaults and update rule.
+
+    On an overflow (inf/nan in any rank's grads) the step is skipped. The
+    first `hysteresis - 1` overflows in a row leave the scale alone; after
+    that each one halves it (never below min_scale; an overflow at min_scale
+    raises). After `window` steps without overflow the scale doubles and the
+    hysteresis is restored."""
+
+    def __init__(self, init_scale=2.0**16, window=1000, hysteresis=2, min_scale=1.0):
+        self.scale = float(init_scale)
+        self.window = window
+        self.hysteresis = hysteresis
+        self.min_scale = float(min_scale)
+        self.hysteresis_left = hysteresis
+        self.iteration = 0
+        self.last_overflow = -1
+
+    def update(self, overflow):
+        if overflow:
+            if self.hysteresis_left <= 1:
+                if self.scale <= self.min_scale:
+                    raise FloatingPointError(
+                        f"fp16 gradients overflow even at the minimum loss scale {self.min_scale}: "
+                        "the loss or the model diverged (try a lower learning rate, or bf16)")
+                self.scale = max(self.scale / 2, self.min_scale)
+                log.warning("fp16 overflow: step skipped, loss scale lowered to %g", self.scale)
+            else:
+                self.hysteresis_left -= 1
+                log.warning("fp16 overflow: step skipped, loss scale stays %g (hysteresis)", self.scale)
+            self.last_overflow = self.iteration
+        elif (self.iteration - self.last_overflow) % self.window == 0:
+            self.hysteresis_left = self.hysteresis
+            self.scale *= 2
+        self.iteration += 1
+
+    def state_dict(self):
+        return dict(vars(self))
+
+    def load_state_dict(self, state):
+        vars(self).update(state)
