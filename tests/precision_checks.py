@@ -1,0 +1,87 @@
+"""Worker functions for the mixed-precision tests (run on every rank)."""
+import torch
+import torch.distributed as dist
+
+import tiny_zero
+from tiny_zero.precision import LossScaler
+from parity_checks import PER_RANK, ParityNet, global_batch
+
+STEPS = 6
+
+
+def my_batch(step):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in global_batch(step, 0, world)]
+
+
+def train(name, mixed_precision, clip=None, **options):
+    """Per-step (global loss, clip norm) and the final full_state_dict."""
+    wrapper_cls, opt_cls = tiny_zero.STRATEGIES[name]
+    torch.manual_seed(0)
+    model = wrapper_cls(ParityNet(), mixed_precision=mixed_precision, **options)
+    opt = opt_cls(model, lr=1e-2, weight_decay=0.1)
+    history = []
+    for step in range(STEPS):
+        loss = model(*my_batch(step))
+        model.backward(loss)
+        norm = model.clip_grad_norm_(clip) if clip else None
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().float()
+        dist.all_reduce(total)
+        history.append((total.item() / dist.get_world_size(), norm))
+    return history, model.full_state_dict(), opt
+
+
+def tracks_fp32(names):
+    """bf16, fp16 and bf16-with-fp32-reduction losses and clip norms stay
+    within 5e-2 of fp32's; full_state_dict gives fp32 masters."""
+    failures = []
+    for name in names:
+        ref, _, _ = train(name, None, clip=0.5)
+        # fp16 starts at 2^8: at the default 2^16 its first steps overflow and
+        # are skipped (as in DeepSpeed), so it could not follow fp32 step by step
+        for mp, options in (("bf16", {}), ("fp16", {"loss_scaler": LossScaler(init_scale=2**8)}),
+                            ("bf16", {"reduce_dtype": torch.float32})):
+            history, state, opt = train(name, mp, clip=0.5, **options)
+            where = f"{name}/{mp}{'/fp32-reduce' if 'reduce_dtype' in options else ''}"
+            for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(history, ref)):
+                if abs(loss - ref_loss) > 5e-2 * abs(ref_loss):
+                    failures.append(f"{where} step {step}: loss {loss} vs fp32 {ref_loss}")
+                if abs(norm - ref_norm) > 5e-2 * ref_norm:
+                    failures.append(f"{where} step {step}: clip norm {norm} vs fp32 {ref_norm}")
+            if any(v.dtype != torch.float32 for v in state.values()):
+                failures.append(f"{where}: full_state_dict is not fp32")
+            if all(torch.equal(v, v.to(torch.bfloat16).float()) for v in state.values()):
+                failures.append(f"{where}: full_state_dict holds low-precision values, not the fp32 masters")
+            if opt.skipped_steps:
+                failures.append(f"{where}: {opt.skipped_steps} steps skipped in a run that cannot overflow")
+    return failures
+
+
+def poisoned_step_skips_everywhere(name):
+    """fp16: an inf loss on rank 1 only. Every rank skips the step (params
+    bit-unchanged), counts it, and follows the loss scaler's rule."""
+    wrapper_cls, opt_cls = tiny_zero.STRATEGIES[name]
+    torch.manual_seed(0)
+    model = wrapper_cls(ParityNet(), mixed_precision="fp16", loss_scaler=LossScaler(init_scale=2**8))
+    opt = opt_cls(model, lr=1e-2)
+    model.backward(model(*my_batch(0)))  # one clean step first, so masters and moments exist
+    opt.step()
+    opt.zero_grad()
+    scales = [opt.loss_scale]
+    before = model.full_state_dict()
+    for step in (1, 2):
+        loss = model(*my_batch(step))
+        if dist.get_rank() == 1:
+            loss = loss * float("inf")
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+    after = model.full_state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    model.backward(model(*my_batch(3)))  # and training goes on
+    opt.step()
+    moved = [k for k in after if not torch.equal(after[k], model.full_state_dict()[k])]
+    return dict(changed=changed, skipped=opt.skipped_steps, scales=scales, moved_after=len(moved))

@@ -1,0 +1,52 @@
+"""Mixed precision: bf16/fp16 track fp32, fp16 overflows skip the step on
+every rank, and the loss scale follows DeepSpeed's rule exactly."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import run_world  # noqa: E402
+
+from tiny_zero.precision import LossScaler  # noqa: E402
+
+ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+
+
+def test_low_precision_tracks_fp32():
+    failures = run_world(2, "precision_checks", "tracks_fp32", ALL)
+    assert not [f for rank in failures for f in rank], failures
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_overflow_on_one_rank_skips_on_all(name):
+    for rank, r in enumerate(run_world(2, "precision_checks", "poisoned_step_skips_everywhere", name)):
+        assert r["changed"] == [], (rank, r)
+        assert r["skipped"] == 2, (rank, r)
+        assert r["scales"] == [2.0**8, 2.0**8, 2.0**7], (rank, r)  # hysteresis 2: the 2nd overflow halves
+        assert r["moved_after"] > 0, (rank, r)
+
+
+def test_loss_scale_sequence():
+    """A scripted pattern of overflows (o) and clean steps (.), window 3,
+    hysteresis 2, min scale 4: the exact scales after each step."""
+    scaler = LossScaler(init_scale=64, window=3, hysteresis=2, min_scale=4)
+    pattern = "..o.o..o.o.o....oo.."
+    scales = []
+    for step in pattern:
+        scaler.update(step == "o")
+        scales.append(scaler.scale)
+    # The first overflow only uses up the hysteresis; later ones halve the
+    # scale, down to 4. Three clean steps after the last overflow double it
+    # and restore the hysteresis, so of the final pair only the 2nd halves.
+    #            .   .   o   .   o   .   .   o   .   o  .  o  .  .  .  .  o  o  .  .
+    expected = [64, 64, 64, 64, 32, 32, 32, 16, 16, 8, 8, 4, 4, 4, 8, 8, 8, 4, 4, 4]
+    assert scales == expected
+
+
+def test_overflow_at_min_scale_raises():
+    scaler = LossScaler(init_scale=2, window=1000, hysteresis=1, min_scale=1)
+    scaler.update(True)
+    assert scaler.scale == 1
+    with pytest.raises(FloatingPointError, match="minimum loss scale"):
+        scaler.update(True)
