@@ -18,12 +18,12 @@ that arrives out of the recorded order is simply gathered on the spot.
 """
 import torch
 
-from .wrapper import StrategyLayer, Wrapper
+from .wrapper import StrategyLayer, Wrapper, expects_backward
 
 
 class GatheredLayer(StrategyLayer):
     def forward_callback(self, ctx, x):
-        params = self.wrapper.prefetcher.forward(self, any(ctx.needs_input_grad))  # next layer in flight
+        params = self.wrapper.prefetcher.forward(self, expects_backward(ctx))  # next layer in flight
         out = super().forward_callback(ctx, x)
         params.release()  # STRATEGY: nothing full is kept for backward
         return out
@@ -62,7 +62,8 @@ class Prefetcher:
         self.in_flight = {}  # layer -> Gather started ahead of use
 
     def forward(self, layer, training):
-        """Before layer's forward: its params ready, the next layer's in flight."""
+        """Before layer's forward: its params ready, the next layer's in flight.
+        (Recomputation under activation checkpointing comes here too.)"""
         if self.recording:
             if training:  # only a forward that backward will follow sets the order
                 self.order.append(layer)

@@ -48,12 +48,23 @@ def flat_pieces(names, bucket, chunk, chunk_start):
     return pieces
 
 
+def recomputing():
+    """True for a forward run inside backward: activation checkpointing
+    recomputing a block. Its parameters get no extra grad contribution."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def expects_backward(ctx):
+    """A forward that a backward will follow (not under no_grad, not a recompute)."""
+    return any(ctx.needs_input_grad) and not recomputing()
+
+
 class StrategyLayer:
     """Mixed into every strategy's layers: a forward that a backward will
     follow tells the wrapper which parameters will receive grads."""
 
     def forward_callback(self, ctx, x):
-        if any(ctx.needs_input_grad):
+        if expects_backward(ctx):
             self.wrapper.expect_grads(self.parameters(recurse=False))
         return super().forward_callback(ctx, x)
 

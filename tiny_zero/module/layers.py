@@ -27,6 +27,11 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # Unpack the saved tensors first, once. Under activation checkpointing
+        # this is what recomputes the block, whose forward callbacks gather and
+        # free parameters on their own: that must end before this layer's
+        # backward_callback gathers its own.
+        ctx.saved = ctx.saved_tensors
         grad_in = ctx.layer.backward_callback(ctx, grad_out)
         return (None, grad_in) + (None,) * ctx.num_params
 
@@ -67,7 +72,7 @@ class Linear(CallbackLayer, nn.Linear):
         return y
 
     def backward_callback(self, ctx, grad_out):
-        (x,) = ctx.saved_tensors
+        (x,) = ctx.saved
         grad_x = grad_out @ self.weight if ctx.needs_input_grad[1] else None  # dx = dy W
         dy = _rows(grad_out, self.out_features)
         self.accumulate_grad(self.weight, dy.t() @ _rows(x, self.in_features))  # dW = dyᵀ x
@@ -98,7 +103,7 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
         return y.to(x.dtype)
 
     def backward_callback(self, ctx, grad_out):
-        x, mean, rstd = ctx.saved_tensors
+        x, mean, rstd = ctx.saved
         dims = self._dims()
         width = self.weight.numel() if self.weight is not None else None
         xhat = (x.to(mean.dtype) - mean) * rstd
@@ -124,7 +129,7 @@ class Embedding(CallbackLayer, nn.Embedding):
         return self.weight[idx]  # a row lookup
 
     def backward_callback(self, ctx, grad_out):
-        (idx,) = ctx.saved_tensors
+        (idx,) = ctx.saved
         grad_w = torch.zeros(self.weight.shape, dtype=grad_out.dtype, device=grad_out.device)
         grad_w.index_add_(0, idx.reshape(-1), _rows(grad_out, self.embedding_dim))  # scatter-add rows
         if self.padding_idx is not None:
