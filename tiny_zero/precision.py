@@ -7,11 +7,7 @@ parameter). fp16's small range needs loss scaling: the loss is multiplied by
 a large scale before backward so small grads do not flush to zero, and the
 optimizer divides it out again (inside the AdamW kernel, with clipping).
 """
-import logging
-
 import torch
-
-log = logging.getLogger("tiny_zero")
 
 DTYPES = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,10 +44,8 @@ class LossScaler:
                         f"fp16 gradients overflow even at the minimum loss scale {self.min_scale}: "
                         "the loss or the model diverged (try a lower learning rate, or bf16)")
                 self.scale = max(self.scale / 2, self.min_scale)
-                log.warning("fp16 overflow: step skipped, loss scale lowered to %g", self.scale)
             else:
                 self.hysteresis_left -= 1
-                log.warning("fp16 overflow: step skipped, loss scale stays %g (hysteresis)", self.scale)
             self.last_overflow = self.iteration
         elif (self.iteration - self.last_overflow) % self.window == 0:
             self.hysteresis_left = self.hysteresis

@@ -9,7 +9,11 @@ rank's grads overflowed; it unscales and clips inside the AdamW update; and
 afterwards it lets the wrapper do what its strategy needs (zero1/zero2:
 all-gather the updated parameters).
 """
+import logging
+
 from .adamw import AdamW
+
+log = logging.getLogger("tiny_zero")
 
 
 class StrategyAdamW(AdamW):
@@ -34,6 +38,9 @@ class StrategyAdamW(AdamW):
             model.loss_scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1  # every rank skips: the params stay as they are
+            if model.rank == 0:
+                log.warning("fp16 gradient overflow: step skipped (%d so far), loss scale now %g",
+                            self.skipped_steps, model.loss_scale())
         else:
             self.grad_scale = model.grad_scale()  # 1/loss scale x clip coefficient
             super().step()
