@@ -1,7 +1,8 @@
 """What every example/<strategy>/train.py shares: flags, data, the model, the loop.
 
 A train.py builds the model and optimizer in its own way (single device, or a
-tiny_zero wrapper) and hands them to train(). On rank 0, train() prints one
+tiny_zero wrapper) and hands them to train(): AdamW at a constant learning
+rate, the global gradient norm clipped to 1.0. On rank 0, train() prints one
 line per step, `step N loss X`, with the loss averaged over ranks, then the
 val loss and the peak memory. Each rank takes its own rows of one global
 batch (see example/data.py), so N ranks with --batch-size b see exactly what
@@ -165,5 +166,5 @@ def peak_memory(memory, device):
 
 def peak_memory_kind(memory):
     if memory is not None:
-        return "live tensor bytes during training, counted by tiny_zero.memory"
-    return "torch.cuda.max_memory_allocated during training"
+        return "live tensor bytes in training and eval, counted by tiny_zero.memory"
+    return "torch.cuda.max_memory_allocated in training and eval"
