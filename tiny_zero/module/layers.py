@@ -33,6 +33,7 @@ class LayerFunction(torch.autograd.Function):
         # backward_callback gathers its own.
         ctx.saved = ctx.saved_tensors
         grad_in = ctx.layer.backward_callback(ctx, grad_out)
+        ctx.saved = None  # free the activations now, not when the whole graph goes
         return (None, grad_in) + (None,) * ctx.num_params
 
 
@@ -66,10 +67,11 @@ def _rows(t, width):
 class Linear(CallbackLayer, nn.Linear):
     def forward_callback(self, ctx, x):
         ctx.save_for_backward(x)  # the weight is read again in backward, never saved
-        y = x @ self.weight.t()  # y = x Wᵀ + b
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        if self.bias is None:
+            return x @ self.weight.t()  # y = x Wᵀ
+        rows = _rows(x, self.in_features)
+        y = torch.addmm(self.bias, rows, self.weight.t())  # y = b + x Wᵀ, one fused op
+        return y.view(*x.shape[:-1], self.out_features)
 
     def backward_callback(self, ctx, grad_out):
         (x,) = ctx.saved
@@ -93,9 +95,10 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
         dims = self._dims()
         x32 = x.to(_stats_dtype(x))  # statistics in fp32 (or fp64) for every input dtype
         mean = x32.mean(dims, keepdim=True)
-        rstd = torch.rsqrt(x32.var(dims, unbiased=False, keepdim=True) + self.eps)
+        centred = x32 - mean
+        rstd = torch.rsqrt(centred.square().mean(dims, keepdim=True) + self.eps)  # 1 / σ
         ctx.save_for_backward(x, mean, rstd)
-        y = (x32 - mean) * rstd  # x̂ = (x - μ) / σ
+        y = centred * rstd  # x̂ = (x - μ) / σ
         if self.weight is not None:
             y = y * self.weight.to(y.dtype)  # y = x̂ γ + β
         if self.bias is not None:
