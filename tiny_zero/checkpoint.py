@@ -1,0 +1,479 @@
+"""Sharded checkpoints that reshard: save with any strategy and world size,
+load with any other.
+
+    save(path, model, opt, step=..., extra={...})   every rank writes its part
+    load(path, model, opt) -> {"step": ..., "extra": {...}}
+    python -m tiny_zero.checkpoint consolidate PATH OUT.pt
+
+A checkpoint is a directory:
+
+    meta.pt                    rank 0: the model's parameters (name, shape,
+                               dtype), its state_dict keys (tied names
+                               included), which file holds which ranges, the
+                               step and `extra`
+    shard-00000-of-00002.pt    one per saving rank: the elements it held
+
+Every parameter is seen as a flat vector. A shard holds ranges [lo, hi) of
+parameters, each as three fp32 tensors keyed by (name, lo, hi): the value
+(the optimizer's fp32 master under mixed precision), exp_avg and exp_avg_sq,
+plus the optimizer's step count for the range and the loss scaler's state.
+model.pieces() says which ranges a rank holds, so saving is "write my
+pieces"; loading asks model.pieces() again, on the loading strategy and world
+size, and copies the overlapping slices out of the files that hold them. DDP
+holds everything on every rank: there rank r writes every N-th piece, and
+every rank loads everything.
+
+Reading: torch.load(mmap=True, weights_only=True), so only the pages a rank
+slices are read from disk, and nothing but tensors and plain containers is
+unpickled. Each saved tensor carries a CRC32 per block of 1 MiB, checked for
+the blocks a rank reads; meta.pt records each shard's size, so a truncated
+file is found before it is opened. Every rank reads and checks everything it
+needs before it changes anything, and all ranks agree on errors (one
+all_gather_object), so a bad checkpoint raises the same clear error on every
+rank and leaves the model as it was.
+
+Crash safety: save writes into `.NAME.saving` next to `path`, and rank 0
+renames it to `path` only after every file is written. An existing checkpoint
+is first renamed to `.NAME.old` and deleted last; a crash between the two
+renames leaves `.NAME.old`, which load then uses. A leftover `.NAME.saving`
+is never read, and the next save deletes it. All ranks must see the same
+filesystem (one node's disk, or a shared one).
+"""
+import argparse
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("tiny_zero")
+
+FORMAT = "tiny_zero checkpoint"
+SHARD_FORMAT = "tiny_zero checkpoint shard"
+VERSION = 1
+META = "meta.pt"
+KINDS = ("param", "exp_avg", "exp_avg_sq")  # what a shard holds for each range, all fp32
+BLOCK = 2**18  # elements per checksum block: 1 MiB of fp32
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; raised on every rank alike."""
+
+
+def shard_file(rank, world_size):
+    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def saving_dir(path):
+    return path.parent / f".{path.name}.saving"
+
+
+def backup_dir(path):
+    return path.parent / f".{path.name}.old"
+
+
+# ---------------------------------------------------------------- save
+
+@torch.no_grad()
+def save(path, model, opt, *, step=0, extra=None):
+    """Write a checkpoint of `model` and its optimizer `opt` to directory
+    `path` (replacing one that is there). Call it on every rank. `extra`: plain
+    Python values and tensors (it is read back with weights_only=True)."""
+    path = Path(path)
+    failed = f"saving checkpoint {path} failed"
+    saving = saving_dir(path)
+    _agree(failed, _attempt(_start_saving, path, saving)[1] if model.rank == 0 else None)
+    info, error = _attempt(_write_shard, saving, model, opt)
+    infos = _agree(failed, error, info)  # every rank's file is complete after this
+    error = None
+    if model.rank == 0:
+        _, error = _attempt(_publish, saving, path, model, infos, step, extra)
+    _agree(failed, error)
+
+
+def _start_saving(path, saving):
+    if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / META).is_file())):
+        raise CheckpointError(f"{path} exists and is not a tiny_zero checkpoint: not replacing it")
+    shutil.rmtree(saving, ignore_errors=True)  # what a crashed save left
+    saving.mkdir(parents=True)
+
+
+def _write_shard(saving, model, opt):
+    """This rank's pieces, the loss scaler's state; returns what meta.pt needs."""
+    pieces = model.pieces()
+    layout = {p.name: (tuple(p.shape), str(p.tensor.dtype).removeprefix("torch.")) for p in pieces}
+    if not model.grads_sharded:  # every rank holds everything (ddp): write each piece once
+        pieces = pieces[model.rank::model.world_size]
+    shard = {"format": SHARD_FORMAT, "version": VERSION, "rank": model.rank, "world_size": model.world_size,
+             **{kind: {} for kind in KINDS}, "step": {}, "checksums": {}}
+    for piece in pieces:
+        key, n = (piece.name, piece.lo, piece.hi), piece.hi - piece.lo
+        state = opt.state.get(piece.tensor, {})  # empty before the optimizer's first step
+        values = {"param": state.get("master", piece.tensor)}
+        values.update({kind: state[kind] for kind in ("exp_avg", "exp_avg_sq") if kind in state})
+        for kind in KINDS:
+            if kind in values:  # a copy of exactly n elements: torch.save writes a view's whole storage
+                flat = values[kind].detach().reshape(-1)[piece.offset:piece.offset + n]
+                shard[kind][key] = flat.to("cpu", torch.float32, copy=True)
+            else:
+                shard[kind][key] = torch.zeros(n)
+            shard["checksums"][(kind, *key)] = [_crc(block) for block in shard[kind][key].split(BLOCK)]
+        shard["step"][key] = float(state["step"]) if "step" in state else 0.0
+    scaler = getattr(model, "loss_scaler", None)
+    shard["loss_scaler"] = scaler.state_dict() if scaler is not None else None
+    shard["skipped_steps"] = getattr(opt, "skipped_steps", None)
+    file = saving / shard_file(model.rank, model.world_size)
+    _write(shard, file)
+    return {"file": file.name, "size": file.stat().st_size, "ranges": list(shard["step"]), "layout": layout,
+            "optimizer_step": max(shard["step"].values(), default=0.0)}
+
+
+def _meta(model, infos, step, extra):
+    from . import __version__
+
+    return {
+        "format": FORMAT, "version": VERSION, "tiny_zero_version": __version__,
+        "strategy": type(model).__name__, "world_size": model.world_size,
+        "params": _params(model.module, infos),
+        "state_dict": _state_dict_keys(model.module),
+        "buffers": _buffers(model.module),
+        "files": {i["file"]: {"size": i["size"], "ranges": i["ranges"]} for i in infos},
+        "optimizer_step": max(i["optimizer_step"] for i in infos),
+        "step": step, "extra": {} if extra is None else extra,
+    }
+
+
+def _params(module, infos):
+    layout = {}
+    for info in infos:
+        layout.update(info["layout"])
+    params = []
+    for name, p in module.named_parameters():  # tied parameters appear once
+        shape, dtype = layout.get(name, (tuple(p.shape), str(p.dtype).removeprefix("torch.")))
+        params.append({"name": name, "shape": shape, "dtype": dtype})
+    return params
+
+
+def _state_dict_keys(module):
+    """[(state_dict key, the parameter it is, or None for a buffer)]: tied
+    parameters appear under every name they have."""
+    name_of = {p: name for name, p in module.named_parameters()}
+    return [(key, name_of.get(value)) for key, value in module.state_dict(keep_vars=True).items()]
+
+
+def _buffers(module):
+    params = set(module.parameters())
+    return {key: value.detach().cpu().clone() for key, value in module.state_dict(keep_vars=True).items()
+            if value not in params}
+
+
+def _write(obj, file):
+    with open(file, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename that publishes it
+
+
+def _publish(saving, path, model, infos, step, extra):
+    """meta.pt last, then the directory into place."""
+    _write(_meta(model, infos, step, extra), saving / META)
+    try:  # what load will do, so that an `extra` it cannot read fails now, not at resume time
+        torch.load(saving / META, weights_only=True)
+    except Exception as e:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f"a {found[1]}" if found else f"{type(e).__name__}: {str(e)[:120]}"
+        raise CheckpointError(f"extra holds something that torch.load(weights_only=True) cannot read back "
+                              f"({what}): use plain Python values and tensors") from None
+    backup = backup_dir(path)
+    if path.exists():
+        shutil.rmtree(backup, ignore_errors=True)  # a backup older than path
+        os.replace(path, backup)
+    # else: a backup, if any, is the last complete checkpoint; it goes only once the new one is in place
+    os.replace(saving, path)
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- load
+
+@torch.no_grad()
+def load(path, model, opt):
+    """Restore parameters, optimizer state and loss scale saved by save(),
+    whatever strategy and world size saved them. Call it on every rank.
+    Returns {"step": ..., "extra": ...} as given to save()."""
+    path = Path(path)
+    failed = f"cannot load checkpoint {path}"
+    pieces = model.pieces()
+    shapes = {}
+    for held in _agree(failed, None, {p.name: tuple(p.shape) for p in pieces}):
+        shapes.update(held)
+    names = [name for name, _ in model.module.named_parameters()]
+    read, error = _attempt(_read_for_rank, path, names, shapes, pieces, model.rank)
+    _agree(failed, error)  # every rank has read and checked all it needs; nothing has changed yet
+    meta, parts, scaler_state, skipped_steps = read
+
+    steps = {}
+    for piece, (values, step) in zip(pieces, parts):
+        state = opt.init_state(piece.tensor)
+        place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
+        piece.tensor.detach().view(-1)[place].copy_(values["param"])  # cast to a low-precision param
+        if "master" in state:
+            state["master"].view(-1)[place].copy_(values["param"])
+        state["exp_avg"].view(-1)[place].copy_(values["exp_avg"])
+        state["exp_avg_sq"].view(-1)[place].copy_(values["exp_avg_sq"])
+        steps[piece.tensor] = max(steps.get(piece.tensor, 0.0), step)
+    for group in opt.param_groups:
+        for t in group["params"]:  # a tensor holding only padding still steps in line with the rest
+            opt.init_state(t)["step"].fill_(steps.get(t, meta["optimizer_step"]))
+    scaler = getattr(model, "loss_scaler", None)
+    if scaler is not None and scaler_state is not None:
+        scaler.load_state_dict(scaler_state)
+    if skipped_steps is not None and hasattr(opt, "skipped_steps"):
+        opt.skipped_steps = skipped_steps
+    for key, value in meta["buffers"].items():
+        model.module.get_buffer(key).copy_(value)
+    model.after_step()  # zero1/zero2: every rank's loaded chunks into everyone's full params
+    return {"step": meta["step"], "extra": meta["extra"]}
+
+
+def _read_for_rank(path, names, shapes, pieces, rank):
+    directory = _find(path)
+    meta = _read_meta(directory)
+    _check_same_model(meta, names, shapes)
+    shards = ShardReader(directory, meta)
+    parts = [shards.read(p.name, p.lo, p.hi) for p in pieces]
+    # the loss scaler's state is the same in every shard: one this rank has opened, or any
+    shard = shards.open(next(iter(shards.opened), sorted(meta["files"])[rank % len(meta["files"])]))
+    return meta, parts, shard.get("loss_scaler"), shard.get("skipped_steps")
+
+
+def _find(path):
+    if path.exists():
+        return path
+    backup = backup_dir(path)
+    if (backup / META).is_file():
+        log.warning("%s is missing but %s is complete (a save was interrupted): loading that", path, backup)
+        return backup
+    raise CheckpointError("it does not exist")
+
+
+def _read_meta(directory):
+    file = directory / META
+    if not directory.is_dir():
+        raise CheckpointError("not a tiny_zero checkpoint: it is a file, not a directory")
+    if not file.is_file():
+        raise CheckpointError(f"not a tiny_zero checkpoint: it has no {META}")
+    meta = _torch_load(file, mmap=False)  # small; and `extra` must outlive the file
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{META} is not a tiny_zero checkpoint's metadata")
+    if meta["version"] > VERSION:
+        raise CheckpointError(f"{META} has format version {meta['version']}; this tiny_zero reads "
+                              f"up to {VERSION}: update tiny_zero")
+    _check_complete(meta)
+    return meta
+
+
+def _check_complete(meta):
+    """The files' ranges of each parameter cover it exactly once."""
+    ranges = {p["name"]: [] for p in meta["params"]}
+    for file, info in meta["files"].items():
+        for name, lo, hi in info["ranges"]:
+            ranges.setdefault(name, []).append((lo, hi))
+    for p in meta["params"]:
+        end = 0
+        for lo, hi in sorted(ranges[p["name"]]):
+            if lo != end:
+                raise CheckpointError(f"{META} is damaged: elements {min(lo, end)}..{max(lo, end)} of "
+                                      f"{p['name']} are in {'no' if lo > end else 'two'} shard files")
+            end = hi
+        if end != math.prod(p["shape"]):
+            raise CheckpointError(f"{META} is damaged: {p['name']} {tuple(p['shape'])} is saved "
+                                  f"up to element {end}")
+
+
+def _check_same_model(meta, names, shapes):
+    """Names and shapes: those of the model being loaded (shapes of every
+    parameter that has elements, gathered from every rank's pieces)."""
+    saved = {p["name"]: tuple(p["shape"]) for p in meta["params"]}
+    problems = []
+    unknown = [name for name in saved if name not in names]
+    if unknown:
+        problems.append(f"parameters not in this model: {_some(unknown)}")
+    missing = [name for name in names if name not in saved]
+    if missing:
+        problems.append(f"parameters of this model not in the checkpoint: {_some(missing)}")
+    differ = [f"{name} {saved[name]} in the checkpoint, {shape} in this model" for name, shape in shapes.items()
+              if name in saved and saved[name] != shape]
+    if differ:
+        problems.append(f"shapes differ: {_some(differ)}")
+    if problems:
+        raise CheckpointError(f"it is a checkpoint of another model ({meta['strategy']}): "
+                              + "; ".join(problems))
+
+
+def _some(items, most=6):
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+class ShardReader:
+    """Slices of parameters out of the shard files. A file is opened (mapped)
+    the first time a slice needs it; the checksum blocks a slice touches are
+    checked once."""
+
+    def __init__(self, directory, meta):
+        self.directory, self.meta = directory, meta
+        self.where = {}  # parameter name -> [(lo, hi, file)]
+        for file, info in meta["files"].items():
+            for name, lo, hi in info["ranges"]:
+                self.where.setdefault(name, []).append((lo, hi, file))
+        self.opened = {}
+        self.checked = set()
+
+    def open(self, file):
+        if file not in self.opened:
+            self.opened[file] = _open_shard(self.directory / file, self.meta["files"][file]["size"])
+        return self.opened[file]
+
+    def read(self, name, lo, hi, kinds=KINDS):
+        """{kind: fp32 tensor of elements [lo, hi) of `name`}, and the step
+        count saved with them (the largest, if they came from several ranges)."""
+        out = {kind: torch.empty(hi - lo) for kind in kinds}
+        step = 0.0
+        for saved_lo, saved_hi, file in self.where.get(name, []):
+            a, b = max(lo, saved_lo), min(hi, saved_hi)
+            if a >= b:
+                continue
+            shard, key = self.open(file), (name, saved_lo, saved_hi)
+            for kind in kinds:
+                saved = shard[kind].get(key)
+                if saved is None or saved.numel() != saved_hi - saved_lo:
+                    raise CheckpointError(f"{file} does not hold {kind} of {name}[{saved_lo}:{saved_hi}] "
+                                          f"as {META} says it does")
+                self._check_blocks(file, shard, kind, key, a - saved_lo, b - saved_lo)
+                out[kind][a - lo:b - lo] = saved[a - saved_lo:b - saved_lo]
+            step = max(step, shard["step"][key])
+        return out, step
+
+    def _check_blocks(self, file, shard, kind, key, a, b):
+        saved, crcs = shard[kind][key], shard["checksums"][(kind, *key)]
+        for block in range(a // BLOCK, (b - 1) // BLOCK + 1):
+            if (file, kind, key, block) not in self.checked:
+                if _crc(saved[block * BLOCK:(block + 1) * BLOCK]) != crcs[block]:
+                    name, lo, hi = key
+                    raise CheckpointError(f"{file} is corrupted: {kind} of {name}[{lo}:{hi}] "
+                                          "fails its checksum")
+                self.checked.add((file, kind, key, block))
+
+
+def _open_shard(file, size):
+    if not file.is_file():
+        raise CheckpointError(f"{file.name} is missing")
+    actual = file.stat().st_size
+    if actual != size:
+        what = "truncated" if actual < size else "damaged"
+        raise CheckpointError(f"{file.name} is {what}: {actual} bytes, {size} were written")
+    shard = _torch_load(file)
+    if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT:
+        raise CheckpointError(f"{file.name} is not a tiny_zero checkpoint shard")
+    return shard
+
+
+def _torch_load(file, mmap=True):
+    try:
+        with open(file, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                raise CheckpointError(f"{file.name} is corrupted: it does not begin as "
+                                      "torch.save's zip files do")
+        return torch.load(file, map_location="cpu", mmap=mmap, weights_only=True)
+    except OSError as e:
+        raise CheckpointError(f"{file.name} cannot be read: {e.strerror or e}") from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # whatever the zip reader or the unpickler says, in one line
+        reason = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(f"{file.name} is corrupted or truncated: torch.load cannot read it "
+                              f"({type(e).__name__}: {reason})") from None
+
+
+def _crc(tensor):
+    return zlib.crc32(tensor.contiguous().numpy())
+
+
+# ------------------------------------------------- agreeing across ranks
+
+def _attempt(fn, *args):
+    """(fn's result, None), or (None, what went wrong in one line)."""
+    try:
+        return fn(*args), None
+    except CheckpointError as e:
+        return None, str(e)
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _agree(context, error, payload=None):
+    """Collective: every rank's (error, payload). If any rank has an error,
+    every rank raises all of them, so no rank goes on to wait for the others
+    in a collective they will never reach. Returns the payloads."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (error, payload))
+    ranks_of = {}
+    for rank, (e, _) in enumerate(gathered):
+        if e is not None:
+            ranks_of.setdefault(e, []).append(rank)
+    if ranks_of:
+        if len(ranks_of) == 1 and len(next(iter(ranks_of.values()))) == len(gathered):
+            raise CheckpointError(f"{context}: {next(iter(ranks_of))}")  # the same on every rank
+        raise CheckpointError(f"{context}: " + "; ".join(
+            f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {e}" for e, r in ranks_of.items()))
+    return [p for _, p in gathered]
+
+
+# ---------------------------------------------------------- consolidate
+
+def consolidate(path):
+    """The full fp32 state_dict of the unwrapped module (keys as its
+    state_dict(), tied names included), from a checkpoint; no torch.distributed."""
+    return _consolidate(Path(path))[0]
+
+
+def _consolidate(path):
+    try:
+        directory = _find(path)
+        meta = _read_meta(directory)
+        shards = ShardReader(directory, meta)
+        full = {}
+        for p in meta["params"]:
+            values, _ = shards.read(p["name"], 0, math.prod(p["shape"]), kinds=("param",))
+            full[p["name"]] = values["param"].view(p["shape"])
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot consolidate checkpoint {path}: {e}") from None
+    state = {key: full[name] if name is not None else meta["buffers"][key] for key, name in meta["state_dict"]}
+    return state, meta
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m tiny_zero.checkpoint",
+                                     description="Tools for tiny_zero's sharded checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    c = commands.add_parser("consolidate", help="write a plain fp32 state_dict of the unwrapped model")
+    c.add_argument("path", help="a checkpoint directory written by tiny_zero.checkpoint.save")
+    c.add_argument("out", help="the .pt file to write; load it with module.load_state_dict(torch.load(OUT))")
+    args = parser.parse_args(argv)
+    try:
+        state, meta = _consolidate(Path(args.path))
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")
+    torch.save(state, args.out)
+    numel = sum(math.prod(p["shape"]) for p in meta["params"])
+    print(f"{args.out}: {len(state)} tensors, {numel:,} parameters in fp32, step {meta['step']} "
+          f"({meta['strategy']} on {meta['world_size']} ranks)")
+
+
+if __name__ == "__main__":
+    main()
