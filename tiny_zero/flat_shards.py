@@ -44,6 +44,7 @@ class FlatShardWrapper(Wrapper):
     @torch.no_grad()
     def after_step(self):
         """After the step: every rank's updated chunks back into every rank."""
+        comm.where = "the all-gather after the optimizer step"
         for b in self.buckets:
             chunk = b.chunk(self.flat_params, self.rank, self.world_size)
             b.handle = comm.all_gather(b.range(self.flat_params), chunk, async_op=True)

@@ -18,17 +18,20 @@ that arrives out of the recorded order is simply gathered on the spot.
 """
 import torch
 
+from . import comm
 from .wrapper import StrategyLayer, Wrapper, expects_backward
 
 
 class GatheredLayer(StrategyLayer):
     def forward_callback(self, ctx, x):
+        comm.where = f"{self.path} forward"  # before the gather, which may be what hangs
         params = self.wrapper.prefetcher.forward(self, expects_backward(ctx))  # next layer in flight
         out = super().forward_callback(ctx, x)
         params.release()  # STRATEGY: nothing full is kept for backward
         return out
 
     def backward_callback(self, ctx, grad_out):
+        comm.where = f"{self.path} backward"
         params = self.wrapper.prefetcher.backward(self)  # gathered again; the layer before in flight
         grad_in = super().backward_callback(ctx, grad_out)
         params.release()

@@ -1,25 +1,62 @@
-"""Live tensor memory, counted exactly: the bytes of every tensor storage alive.
+"""Live tensor memory, counted exactly: the bytes of every tensor storage alive,
+and at the peak, what they were.
 
 TensorMemory is a TorchDispatchMode. While it is active it sees the outputs of
 every op (forward, backward, optimizer step, collectives). It registers each
 new storage once, so a view never counts again, and subtracts the storage's
 bytes when the storage is freed. Storages that existed before the mode started
 count only when passed to track(). The numbers do not depend on an allocator's
-caching, so on CPU they are deterministic. On CUDA, cuda_peak gives
-torch.cuda.max_memory_allocated() as well.
+caching, so on CPU they are deterministic. On CUDA, cuda_peak and
+cuda_reserved_peak give torch.cuda.max_memory_allocated() and
+max_memory_reserved() as well.
 
     with TensorMemory() as memory:
         memory.track(model.parameters(), opt.state)   # what was there before
+        memory.attach(model, opt)                     # optional: the breakdown
         ...                                           # train
     print(memory.peak, memory.current)                # bytes
+    print(memory.peak_breakdown)                      # {category: bytes} at the peak
+
+The breakdown sorts each live storage into one of CATEGORIES by identity,
+against what the model and optimizer hold at that moment (held_tensors()):
+
+    parameters       what the optimizer steps: all parameters (ddp, single
+                     device), flat_params (zero1/2: the shards are views of
+                     it), the owned tensors (zero3), the unit slices (fsdp)
+    optimizer_state  exp_avg, exp_avg_sq, step, and the fp32 masters under
+                     mixed precision
+    gradients        the grads the optimizer will read (grads_of, p.grad):
+                     zero1 and ddp's full flat_grads, zero2's grad_shard,
+                     fsdp's slices, the owner's buckets in zero3
+    comm_buffers     what exists only to be communicated: full-grad buckets
+                     being filled or in flight (zero2/3, fsdp), parameters
+                     gathered for the layer computing and the one prefetched
+                     (zero3, fsdp)
+    activations      storages that autograd saved for backward (seen through
+                     saved-tensor hooks while the mode is active)
+    other            everything else: the batch, logits and loss, gradients
+                     of activations, temporaries of the optimizer step
+
+The first category that names a storage wins. The breakdown is taken each
+time the peak rises, so peak_breakdown sums to peak. What is approximate:
+the storage whose allocation sets a new peak is classified before the code
+that made it can store it anywhere, so if that is a bucket or a gathered
+parameter it counts as `other` at that instant (with these models the peak
+is set by an activation or a temporary of backward, where this does not
+matter); activations saved inside activation checkpointing's own hooks, and
+saved tensors that are also used elsewhere after backward, are what
+`activations` cannot see exactly.
 """
 import weakref
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "comm_buffers", "activations", "other")
 
 
 class TensorMemory(TorchDispatchMode):
@@ -30,13 +67,34 @@ class TensorMemory(TorchDispatchMode):
         self.device_type = None if device is None else torch.device(device).type
         self.current = 0  # bytes of tracked storages alive now
         self.peak = 0     # the most `current` has been since creation or reset_peak()
+        self.peak_breakdown = None  # {category: bytes} at the peak, once attach() was called
         self._bytes = {}  # id(storage) -> its bytes, for tracked storages alive now
+        self._saved = Counter()  # id(storage) -> tensors autograd holds for backward
+        self._holders = None  # (model, optimizer), from attach()
+        self._hooks = None
 
     @classmethod
     def _should_skip_dynamo(cls):
         # torch wraps __torch_dispatch__ in a dynamo guard (importing dynamo, and
         # ~30 us per op) unless a mode says no. Nothing in here is compiled.
         return False
+
+    def __enter__(self):
+        # See what autograd saves for backward (to tell activations apart). The
+        # hooks change nothing else; where they are disabled, do without.
+        try:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            self._hooks.__enter__()
+        except RuntimeError:
+            self._hooks = None
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        result = super().__exit__(*exc)
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
+        return result
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,9 +117,30 @@ class TensorMemory(TorchDispatchMode):
         for s in self._storages(objects):
             self._add(s)
 
+    def attach(self, model, optimizer=None):
+        """From now on record peak_breakdown, classifying storages against
+        what `model` (a tiny_zero wrapper or a plain module) and `optimizer`
+        hold. The peak restarts from now, like reset_peak()."""
+        self._holders = (model, optimizer)
+        self.reset_peak()
+
+    def breakdown(self):
+        """{category: bytes} of the storages alive now (see the module docstring)."""
+        category_of = {}
+        if self._holders is not None:
+            for category, tensors in held_tensors(*self._holders).items():
+                for s in self._storages(tensors):
+                    category_of.setdefault(id(s), category)
+        out = dict.fromkeys(CATEGORIES, 0)
+        for key, size in self._bytes.items():
+            out[category_of.get(key) or ("activations" if self._saved[key] else "other")] += size
+        return out
+
     def reset_peak(self):
         """Start a new peak from what is alive now (and CUDA's, if present)."""
         self.peak = self.current
+        if self._holders is not None:
+            self.peak_breakdown = self.breakdown()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
@@ -70,6 +149,12 @@ class TensorMemory(TorchDispatchMode):
         """torch.cuda.max_memory_allocated() on the current device; None without CUDA."""
         return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
+    @property
+    def cuda_reserved_peak(self):
+        """torch.cuda.max_memory_reserved() on the current device (what the caching
+        allocator took from the GPU); None without CUDA."""
+        return torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None
+
     def _add(self, storage):
         key = id(storage)  # safe: the entry is removed before the object (and its id) goes away
         if key in self._bytes:
@@ -77,11 +162,30 @@ class TensorMemory(TorchDispatchMode):
         size = storage.nbytes()
         self._bytes[key] = size
         self.current += size
-        self.peak = max(self.peak, self.current)
         weakref.finalize(storage, self._free, key).atexit = False
+        if self.current > self.peak:
+            self.peak = self.current
+            if self._holders is not None:
+                self.peak_breakdown = self.breakdown()
 
     def _free(self, key):
         self.current -= self._bytes.pop(key)
+
+    def _pack(self, tensor):
+        """Saved-tensor hook: note that autograd holds this storage until the
+        alias it stores instead of the tensor goes away."""
+        alias = tensor.detach()  # no reference back to the graph, the same storage
+        for s in self._storages(alias):
+            key = id(s)
+            if key in self._bytes:
+                self._saved[key] += 1
+                weakref.finalize(alias, self._unsave, key).atexit = False
+        return alias
+
+    def _unsave(self, key):
+        self._saved[key] -= 1
+        if not self._saved[key]:
+            del self._saved[key]
 
     def _storages(self, obj):
         """Every countable storage in a (nested) structure of tensors."""
@@ -95,3 +199,31 @@ class TensorMemory(TorchDispatchMode):
         elif isinstance(obj, (list, tuple, set, Iterator)):
             for item in obj:
                 yield from self._storages(item)
+
+
+def _unpack(alias):
+    return alias
+
+
+def held_tensors(model, optimizer=None):
+    """What `model` and `optimizer` hold now, by category, in the order the
+    breakdown tries them: {category: tensors (nested lists and dicts)}.
+    `model` is a tiny_zero wrapper or a plain module."""
+    module = getattr(model, "module", model)
+    if optimizer is not None:
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    else:
+        stepped = list(module.parameters())
+    grads = [p.grad for p in stepped] + [p.grad for p in module.parameters()]
+    grads += list(getattr(model, "grads_of", {}).values())  # a wrapper's averaged grads
+    buffers = list(getattr(getattr(model, "grads", None), "buffers", {}).values())  # full-grad buckets
+    prefetcher = getattr(model, "prefetcher", None)
+    if prefetcher is not None:  # gathers started ahead of their layer
+        buffers += [gather.items for gather in prefetcher.in_flight.values()]
+    return {
+        "parameters": stepped,
+        "optimizer_state": list(optimizer.state.values()) if optimizer is not None else [],
+        "gradients": grads,
+        # parameters that are not what the optimizer steps are gathered copies (zero3, fsdp)
+        "comm_buffers": buffers + list(module.parameters()),
+    }

@@ -61,12 +61,18 @@ def expects_backward(ctx):
 
 class StrategyLayer:
     """Mixed into every strategy's layers: a forward that a backward will
-    follow tells the wrapper which parameters will receive grads."""
+    follow tells the wrapper which parameters will receive grads; and
+    comm.where names the layer, for the error of a collective that hangs."""
 
     def forward_callback(self, ctx, x):
+        comm.where = f"{self.path} forward"
         if expects_backward(ctx):
             self.wrapper.expect_grads(self.parameters(recurse=False))
         return super().forward_callback(ctx, x)
+
+    def backward_callback(self, ctx, grad_out):
+        comm.where = f"{self.path} backward"
+        return super().backward_callback(ctx, grad_out)
 
 
 class Wrapper(nn.Module):
@@ -87,12 +93,13 @@ class Wrapper(nn.Module):
         check_same_model_on_all_ranks(module)
         swap_layers(module, self.layer_classes)
         module.to(self.param_dtype)
-        for layer in module.modules():
+        for path, layer in module.named_modules():
             if isinstance(layer, CallbackLayer):
                 layer.__dict__["wrapper"] = self  # a plain attribute, not a submodule
+                layer.path = path
         self.module = module
         self.require_grad_sync = True
-        self.grads_synced = True  # no backward has run since the last sync
+        self.grads_synced = None  # None: no backward yet; True: synced since the last one
         self.queue = None
         self.named_params = list(module.named_parameters())  # tied parameters appear once
         self.grads_of = {}
@@ -121,7 +128,11 @@ class Wrapper(nn.Module):
     def finish_grad_sync(self):
         """Complete this step's gradient averaging; a no-op when already done
         or inside no_sync()."""
+        if self.grads_synced is None:
+            raise RuntimeError("optimizer step before any backward: run model(...) and "
+                               "model.backward(loss) first")
         if self.require_grad_sync and not self.grads_synced:
+            comm.where = "the gradient sync before the optimizer step"
             self.sync_grads()
             if self.queue is not None:
                 self.queue.new_step()

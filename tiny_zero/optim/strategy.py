@@ -17,7 +17,13 @@ log = logging.getLogger("tiny_zero")
 
 
 class StrategyAdamW(AdamW):
+    wrapper = None  # the wrapper class this optimizer belongs to, set by each strategy
+
     def __init__(self, model, **hyper):
+        if not isinstance(model, self.wrapper):
+            raise TypeError(f"{type(self).__name__} steps a {self.wrapper.__name__}-wrapped model, "
+                            f"got {type(model).__name__}: use the optimizer of the model's strategy "
+                            "(tiny_zero.STRATEGIES[name])")
         self.model = model
         super().__init__([{"params": model.optimizer_params()}], **hyper)
         model.optimizer = self  # the wrapper reads the fp32 masters from here

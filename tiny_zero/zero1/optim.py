@@ -2,7 +2,8 @@
 parameter, divided by N); after the step the wrapper all-gathers the
 updated parameters (FlatShardWrapper.after_step)."""
 from ..optim.strategy import StrategyAdamW
+from .model import Zero1
 
 
 class Zero1AdamW(StrategyAdamW):
-    pass
+    wrapper = Zero1

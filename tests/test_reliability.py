@@ -1,0 +1,27 @@
+"""Bad input and hangs: clear errors on every rank, within seconds."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import run_world  # noqa: E402
+
+
+def test_misuse_raises_on_every_rank():
+    for errors in run_world(2, "reliability_checks", "misuse", timeout=60):
+        assert "already wrapped by Zero2" in errors["wrap twice"]
+        assert "FSDPAdamW steps a FSDP-wrapped model, got Zero2" in errors["wrong optimizer"]
+        assert "got ParityNet" in errors["plain module"]
+        assert "optimizer step before any backward" in errors["step before backward"]
+
+
+@pytest.mark.parametrize("name,collective,where", [
+    ("zero3", "broadcast", "emb forward"),     # the first layer's gather
+    ("ddp", "all_reduce", "emb backward"),     # the last bucket, sent in backward, waited for at the step
+])
+def test_a_skipped_forward_times_out_naming_the_collective(name, collective, where):
+    message, seconds = run_world(2, "reliability_checks", "skipped_forward", name, timeout=60)[0]
+    assert message.startswith(collective), message
+    assert f" {where}" in message and "a rank may have skipped" in message, message
+    assert seconds < 20, seconds  # the timeout is 3 s: seconds, not a hang
