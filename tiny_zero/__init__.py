@@ -15,3 +15,12 @@ STRATEGIES = {
     "zero3": (Zero3, Zero3AdamW),
     "fsdp": (FSDP, FSDPAdamW),
 }
+
+
+def __getattr__(name):
+    # tiny_zero.checkpoint is imported on first use, so that
+    # `python -m tiny_zero.checkpoint` does not find it imported already
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module 'tiny_zero' has no attribute {name!r}")
