@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from example.data import ByteData, load_text
 from example.model import CONFIGS, build_model as build_gpt
+import tiny_zero
 from tiny_zero.memory import TensorMemory
 
 MAX_GRAD_NORM = 1.0
@@ -43,7 +44,21 @@ def parse_args(description=None, argv=None):
     p.add_argument("--data", default=None,
                    help="a text file, or a folder of them (default: the Python standard library's source)")
     p.add_argument("--eval-batches", type=int, default=20, help="val batches per rank at the end (default: 20)")
+    p.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
+                   help="low-precision params, activations and grads; fp32 masters in the optimizer "
+                        "(fp16: strategies only, with dynamic loss scaling)")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each block's activations in backward instead of keeping them")
+    p.add_argument("--save-dir", default=None, help="checkpoint directory (written at the end, and every --save-every)")
+    p.add_argument("--save-every", type=int, default=0, help="save every K steps (default: 0, only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from --save-dir if it holds a checkpoint")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip (and count) a step whose loss is inf/nan instead of stopping with an error")
     args = p.parse_args(argv)
+    if (args.save_every or args.resume) and not args.save_dir:
+        p.error("--save-every and --resume need --save-dir")
+    if args.save_every < 0:
+        p.error("--save-every must be >= 0")
     for flag in ("steps", "eval_batches"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
@@ -68,7 +83,21 @@ def load_data(args):
 
 
 def build_model(args):
-    return build_gpt(args.model, seed=args.seed)
+    return build_gpt(args.model, seed=args.seed, checkpoint_activations=args.checkpoint_activations)
+
+
+def strategy_options(args):
+    """What a tiny_zero wrapper takes from the flags."""
+    return {"mixed_precision": args.mixed_precision}
+
+
+def single_device_dtype(args):
+    """Single device: bf16 params (tiny_zero's AdamW keeps fp32 masters); fp16
+    needs loss scaling, which the strategies' wrappers provide."""
+    if args.mixed_precision == "fp16":
+        raise SystemExit("error: --mixed-precision fp16 needs loss scaling: run a strategy's "
+                         "train.py (e.g. example/ddp/train.py, also on one process)")
+    return torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
 
 
 @contextmanager
@@ -91,15 +120,24 @@ def train(model, opt, data, args, memory=None):
     if device.type != args.device.type:
         raise SystemExit(f"error: --device {args.device} but {type(model).__name__} runs on {device}")
     tokens_per_step = args.batch_size * args.seq_len * world_size
+    first_step = resume(model, opt, args, rank)
     reset_peak(memory, device)
 
     model.train()
-    bar = tqdm(range(args.steps), disable=rank != 0, desc="train", dynamic_ncols=True)
+    skipped = 0
+    bar = tqdm(range(first_step, args.steps), disable=rank != 0, desc="train", dynamic_ncols=True,
+               initial=first_step, total=args.steps)
     start = time.perf_counter()
     for step in bar:
         t0 = time.perf_counter()
         x, y = (t.to(device) for t in data.get_batch("train", args.batch_size, step, args.seed, rank, world_size))
         loss = model(x, y)
+        if not finite_on_all_ranks(loss):
+            if not args.skip_nonfinite:
+                raise SystemExit(f"error: the loss is not finite at step {step} (on some rank); "
+                                 "--skip-nonfinite skips such steps instead")
+            skipped += 1
+            continue
         if hasattr(model, "backward"):  # a wrapper: its own backward and clipping
             model.backward(loss)
             model.clip_grad_norm_(MAX_GRAD_NORM)
@@ -113,8 +151,12 @@ def train(model, opt, data, args, memory=None):
             tokens_per_s = tokens_per_step / (time.perf_counter() - t0)
             bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             tqdm.write(f"step {step} loss {mean_loss:.8f}")
+        if args.save_dir and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
+            save(model, opt, args, step + 1)
     elapsed = time.perf_counter() - start
     bar.close()
+    if skipped and rank == 0:
+        print(f"skipped {skipped} steps with a non-finite loss")
 
     val_loss = evaluate(model, data, args, rank, world_size, device)
     peak = peak_memory(memory, device)
@@ -123,6 +165,43 @@ def train(model, opt, data, args, memory=None):
             print(f"trained {args.steps} steps in {elapsed:.1f} s ({tokens_per_step * args.steps / elapsed:,.0f} tokens/s)")
         print(f"val loss {val_loss:.6f}")
         print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {peak_memory_kind(memory)})")
+
+
+def finite_on_all_ranks(loss):
+    """One all-reduce, so that every rank skips or stops together."""
+    bad = (~torch.isfinite(loss.detach())).float()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad)
+    return bad.item() == 0
+
+
+def save(model, opt, args, step):
+    """A wrapper saves sharded (tiny_zero.checkpoint: every rank writes its
+    part, any strategy and world size can load it); a single-device model
+    saves one file. Both replace the old checkpoint only once complete."""
+    if hasattr(model, "pieces"):
+        tiny_zero.checkpoint.save(args.save_dir, model, opt, step=step)
+        return
+    os.makedirs(args.save_dir, exist_ok=True)
+    path = os.path.join(args.save_dir, "single_device.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, path + ".saving")
+    os.replace(path + ".saving", path)
+
+
+def resume(model, opt, args, rank):
+    """The step to start from: 0, or the saved one with --resume."""
+    if not (args.resume and args.save_dir and os.path.isdir(args.save_dir)):
+        return 0
+    if hasattr(model, "pieces"):
+        step = tiny_zero.checkpoint.load(args.save_dir, model, opt)["step"]
+    else:
+        saved = torch.load(os.path.join(args.save_dir, "single_device.pt"), weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        step = saved["step"]
+    if rank == 0:
+        print(f"resumed from {args.save_dir} at step {step}")
+    return step
 
 
 @torch.no_grad()

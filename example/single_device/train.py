@@ -15,7 +15,7 @@ def main():
     args = common.parse_args(__doc__)
     data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
     with common.memory_tracker(args) as memory:
-        model = tiny_zero.module.swap_layers(common.build_model(args)).to(args.device)
+        model = tiny_zero.module.swap_layers(common.build_model(args)).to(args.device, common.single_device_dtype(args))
         opt = tiny_zero.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         common.train(model, opt, data, args, memory)
 

@@ -15,7 +15,7 @@ def main():
     args = common.parse_args(__doc__)
     data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
     with common.memory_tracker(args) as memory:
-        model = Zero2(common.build_model(args))
+        model = Zero2(common.build_model(args), **common.strategy_options(args))
         opt = Zero2AdamW(model, lr=args.lr, weight_decay=args.weight_decay)
         common.train(model, opt, data, args, memory)
 
