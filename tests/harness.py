@@ -61,3 +61,15 @@ def run_world(world_size, module_name, fn_name, *args, timeout=300):
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results.append(value)
         return results
+
+
+def run_checks(world_size, module_name, plan, timeout=300):
+    """Many checks in one spawned world: plan = [(key, function name, args)]
+    from module `module_name`; returns {key: [result on rank 0, rank 1, ...]}."""
+    per_rank = run_world(world_size, "harness", "_checks", module_name, plan, timeout=timeout)
+    return {key: [rank[key] for rank in per_rank] for key, _, _ in plan}
+
+
+def _checks(module_name, plan):
+    module = __import__(module_name)
+    return {key: getattr(module, fn)(*args) for key, fn, args in plan}

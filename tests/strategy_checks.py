@@ -218,3 +218,4 @@ def pieces_cover_the_model(name):
 
 def pieces_cover_all(names):
     return [p for name in names for p in pieces_cover_the_model(name)]
+

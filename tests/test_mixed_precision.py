@@ -6,21 +6,28 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import run_world  # noqa: E402
+from harness import run_checks  # noqa: E402
 
 from tiny_zero.precision import LossScaler  # noqa: E402
 
 ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 
 
-def test_low_precision_tracks_fp32():
-    failures = run_world(2, "precision_checks", "tracks_fp32", ALL)
+@pytest.fixture(scope="module")
+def world2():
+    plan = [("tracks", "tracks_fp32", (ALL,))]
+    plan += [(("poisoned", n), "poisoned_step_skips_everywhere", (n,)) for n in ALL]
+    return run_checks(2, "precision_checks", plan)
+
+
+def test_low_precision_tracks_fp32(world2):
+    failures = world2["tracks"]
     assert not [f for rank in failures for f in rank], failures
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_overflow_on_one_rank_skips_on_all(name):
-    for rank, r in enumerate(run_world(2, "precision_checks", "poisoned_step_skips_everywhere", name)):
+def test_overflow_on_one_rank_skips_on_all(name, world2):
+    for rank, r in enumerate(world2["poisoned", name]):
         assert r["changed"] == [], (rank, r)
         assert r["skipped"] == 2, (rank, r)
         assert r["scales"] == [2.0**8, 2.0**8, 2.0**7], (rank, r)  # hysteresis 2: the 2nd overflow halves

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import run_world
+from harness import run_checks, run_world
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 MODES = ["plain", "eps1", "clip", "no_sync"]
@@ -24,7 +24,8 @@ def test_parity_with_torch(world_size):
 def test_parity_world_4_and_degenerate_sizes():
     """World 4: the parity model, and a model with fewer tensors (3) than ranks
     and a LayerNorm of 2 elements (fsdp pads it), every strategy."""
-    per_rank = run_world(4, "parity_checks", "parity", STRATEGIES, ["plain", "no_sync"], "parity")
-    per_rank += run_world(4, "parity_checks", "parity", STRATEGIES, ["clip"], "few_tensors")
-    failures = [f for rank_failures in per_rank for f in rank_failures]
+    results = run_checks(4, "parity_checks", [
+        ("parity", "parity", (STRATEGIES, ["plain", "no_sync"], "parity")),
+        ("few", "parity", (STRATEGIES, ["clip"], "few_tensors"))])
+    failures = [f for per_rank in results.values() for rank in per_rank for f in rank]
     assert not failures, "\n".join(failures[:40])

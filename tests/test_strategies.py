@@ -7,14 +7,27 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from harness import run_world  # noqa: E402
+from harness import run_checks  # noqa: E402
 
 ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+GATHERED = ["zero3", "fsdp"]
+SHARDED = ["zero1", "zero2", "zero3", "fsdp"]
+BAD_INPUT = ["unsupported", "mismatch"]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    """Every 2-rank check of this file, in one spawned world."""
+    plan = [(("comm", n), "comm_per_step", (n,)) for n in ALL]
+    plan += [(("gathered", n), "nothing_stays_gathered", (n,)) for n in GATHERED]
+    plan += [(("memory", n), "model_state_bytes", (n,)) for n in SHARDED]
+    plan += [(("bad", case), "bad_input", (case,)) for case in BAD_INPUT]
+    return run_checks(2, "strategy_checks", plan)
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_communication_per_step(name):
-    elements, numel, padded = run_world(2, "strategy_checks", "comm_per_step", name)[0]
+def test_communication_per_step(name, world2):
+    elements, numel, padded = world2["comm", name][0]
     expected = {
         "ddp": {"all_reduce": numel},                                    # Ψ: 2Ψ element-transfers
         "zero1": {"reduce_scatter": padded, "all_gather": padded},       # Ψ + Ψ, the same as DDP
@@ -26,15 +39,14 @@ def test_communication_per_step(name):
     assert elements == expected
 
 
-@pytest.mark.parametrize("name", ["zero3", "fsdp"])
-def test_nothing_stays_gathered(name):
-    problems = run_world(2, "strategy_checks", "nothing_stays_gathered", name)
-    assert not [p for rank in problems for p in rank]
+@pytest.mark.parametrize("name", GATHERED)
+def test_nothing_stays_gathered(name, world2):
+    assert not [p for rank in world2["gathered", name] for p in rank]
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "fsdp"])
-def test_model_state_memory_is_the_share(name):
-    for rank, r in enumerate(run_world(2, "strategy_checks", "model_state_bytes", name)):
+@pytest.mark.parametrize("name", SHARDED)
+def test_model_state_memory_is_the_share(name, world2):
+    for rank, r in enumerate(world2["memory", name]):
         assert abs(r["held"] - r["expected"]) <= 0.02 * r["expected"], (rank, r)
         assert r["state"] == 8 * r["share"], (rank, r)  # exp_avg + exp_avg_sq of the share, fp32
         if name == "zero2":  # after backward: the grad shard (kept) + at most one bucket in flight
@@ -43,20 +55,25 @@ def test_model_state_memory_is_the_share(name):
             assert r["after_backward"] <= 1024, (rank, r)
 
 
-@pytest.mark.parametrize("name", ["zero3", "fsdp"])
-def test_meta_init_equals_normal_build(name):
-    for world in (1, 3):
-        assert run_world(world, "strategy_checks", "meta_init_equals_normal", name) == [[]] * world
-
-
 @pytest.mark.parametrize("case,message", [
     ("unsupported", r"'1' \(Conv1d\).*nn.Linear, nn.LayerNorm, nn.Embedding"),
     ("mismatch", r"the model differs across ranks"),
 ])
-def test_bad_input_raises_on_every_rank(case, message):
+def test_bad_input_raises_on_every_rank(case, message, world2):
     import re
-    errors = run_world(2, "strategy_checks", "bad_input", case, timeout=60)
+    errors = world2["bad", case]
     assert all(e is not None and re.search(message, e) for e in errors), errors
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_meta_init_and_pieces(world):
+    """Meta-built and wrapped equals normally built, exactly (zero3, fsdp);
+    and model.pieces(), which checkpoints rely on, covers every element once
+    across ranks (every rank for ddp) with the model's values."""
+    plan = [(("meta", n), "meta_init_equals_normal", (n,)) for n in GATHERED]
+    plan += [("pieces", "pieces_cover_all", (ALL,))]
+    for key, per_rank in run_checks(world, "strategy_checks", plan).items():
+        assert per_rank == [[]] * world, (key, per_rank)
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])
@@ -67,10 +84,3 @@ def test_gpt2_xl_on_meta_never_allocates_the_model(name):
     r = gpt2_xl_meta_memory(name, rank=1)
     assert r["current"] <= r["share"] * 1.001 + 1024
     assert r["peak"] <= r["share"] + r["largest"] + 1024
-
-
-def test_pieces_cover_every_element_once():
-    """What checkpoints rely on: model.pieces() says where each element lives."""
-    for world in (3,):
-        problems = run_world(world, "strategy_checks", "pieces_cover_all", ALL)
-        assert not [p for rank in problems for p in rank]
