@@ -47,7 +47,7 @@ class FlatShardWrapper(Wrapper):
         comm.where = "the all-gather after the optimizer step"
         for b in self.buckets:
             chunk = b.chunk(self.flat_params, self.rank, self.world_size)
-            b.handle = comm.all_gather(b.range(self.flat_params), chunk, async_op=True)
+            b.handle = comm.all_gather(b.range(self.flat_params), chunk, async_op=True)  # STRATEGY
         for b in self.buckets:
             b.handle.wait()
             b.handle = None

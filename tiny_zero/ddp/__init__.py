@@ -1,3 +1,4 @@
+"""DDP: every rank holds everything; grads are all-reduced in buckets during backward."""
 from .model import DDP
 from .optim import DDPAdamW
 

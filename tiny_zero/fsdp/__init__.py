@@ -1,3 +1,4 @@
+"""FSDP (intra-tensor): every tensor is split 1/N; each layer is all-gathered around its use."""
 from .model import FSDP
 from .optim import FSDPAdamW
 

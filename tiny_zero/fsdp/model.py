@@ -31,9 +31,8 @@ class FSDP(GatheredWrapper):
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
         dtype = self.named_params[0][1].dtype
         self.empty = torch.empty(0, dtype=dtype, device=self.device)
-        name_of = {p: n for n, p in self.named_params}
         for unit in self.units:
-            self.shard_unit(unit, name_of, dtype)
+            self.shard_unit(unit, self.param_names(), dtype)
         self.grads = BucketedGrads(self, self.units[::-1], self.reduce_dtype, self.device)  # last layer's grads first
         self.queue = self.grads.queue
         self.prefetcher = Prefetcher(lambda layer: AllGathers(self, layer))

@@ -1,3 +1,4 @@
+"""ZeRO-1: the optimizer state is sharded; grads are reduce-scattered after backward."""
 from .model import Zero1
 from .optim import Zero1AdamW
 

@@ -1,3 +1,4 @@
+"""ZeRO-2: optimizer state and grads are sharded; grads are reduce-scattered during backward."""
 from .model import Zero2
 from .optim import Zero2AdamW
 

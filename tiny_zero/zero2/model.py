@@ -2,7 +2,9 @@
 
 A rank holds: all parameters (in flat_params), its 1/N chunk of the averaged
 gradients (grad_shard), optimizer state for that chunk, and during backward
-the full gradients of at most the bucket being filled and the one in flight.
+the full gradients of the buckets not yet sent and done: typically the one
+being filled and the one in flight, plus any bucket still waiting for a
+parameter's last contribution (a tied weight's bucket waits all backward).
 Collectives: broadcast of rank 0's parameters at wrap time; one
 reduce_scatter per bucket, started in backward as soon as the bucket is
 complete (module.py); after the step, one all_gather per bucket

@@ -1,3 +1,4 @@
+"""ZeRO-3 (inter-tensor): each whole tensor is owned by one rank and broadcast around its use."""
 from .model import Zero3
 from .optim import Zero3AdamW
 

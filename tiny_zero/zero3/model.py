@@ -24,7 +24,8 @@ class Zero3(GatheredWrapper):
 
     def __init__(self, module, bucket_bytes=25 * 2**20, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
-        table = owner_table([(n, p.numel()) for n, p in self.named_params], self.world_size)
+        shapes = [(n, p.numel()) for n, p in self.named_params]
+        table = owner_table(shapes, self.world_size)  # STRATEGY: from names and sizes alone, alike on every rank
         self.owner = {p: table[name] for name, p in self.named_params}
         self.full_shape = {p: p.shape for _, p in self.named_params}
         dtype = self.named_params[0][1].dtype
@@ -39,7 +40,7 @@ class Zero3(GatheredWrapper):
 
     def keep_own_part(self, name, p):
         """Owners keep (or materialise) the tensor; everyone else keeps nothing."""
-        owned = self.owner[p] == self.rank
+        owned = self.owner[p] == self.rank  # STRATEGY: whole tensors, one owner each
         if p.is_meta:  # the model's own init gives every owner the same value a single device would
             set_data(p, full_value(self.module, name, p, self.device) if owned else self.empty)
             return
