@@ -4,9 +4,11 @@ A train.py builds the model and optimizer in its own way (single device, or a
 tiny_zero wrapper) and hands them to train(): AdamW at a constant learning
 rate, the global gradient norm clipped to 1.0. On rank 0, train() prints one
 line per step, `step N loss X`, with the loss averaged over ranks, then the
-val loss and the peak memory. Each rank takes its own rows of one global
-batch (see example/data.py), so N ranks with --batch-size b see exactly what
-one process sees with N * b.
+val loss and the peak memory, and (Accounting, at the end of the file) the
+memory at the peak by category and the communication per step, each next
+to tiny_zero.estimate and the ZeRO formula. Each rank takes its own rows of
+one global batch (see example/data.py), so N ranks with --batch-size b see
+exactly what one process sees with N * b.
 """
 import argparse
 import math
@@ -22,6 +24,7 @@ from tqdm import tqdm
 from example.data import ByteData, load_text
 from example.model import CONFIGS, build_model as build_gpt
 import tiny_zero
+from tiny_zero import comm, estimate
 from tiny_zero.memory import TensorMemory
 
 MAX_GRAD_NORM = 1.0
@@ -122,6 +125,7 @@ def train(model, opt, data, args, memory=None):
     tokens_per_step = args.batch_size * args.seq_len * world_size
     first_step = resume(model, opt, args, rank)
     reset_peak(memory, device)
+    accounting = Accounting(model, opt, memory, args)
 
     model.train()
     skipped = 0
@@ -155,6 +159,7 @@ def train(model, opt, data, args, memory=None):
             save(model, opt, args, step + 1)
     elapsed = time.perf_counter() - start
     bar.close()
+    accounting.training_done(args.steps - first_step - skipped)
     if skipped and rank == 0:
         print(f"skipped {skipped} steps with a non-finite loss")
 
@@ -165,6 +170,7 @@ def train(model, opt, data, args, memory=None):
             print(f"trained {args.steps} steps in {elapsed:.1f} s ({tokens_per_step * args.steps / elapsed:,.0f} tokens/s)")
         print(f"val loss {val_loss:.6f}")
         print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {peak_memory_kind(memory)})")
+    accounting.report()
 
 
 def finite_on_all_ranks(loss):
@@ -247,3 +253,100 @@ def peak_memory_kind(memory):
     if memory is not None:
         return "live tensor bytes in training and eval, counted by tiny_zero.memory"
     return "torch.cuda.max_memory_allocated in training and eval"
+
+
+STRATEGY_OF = {"DDP": "ddp", "Zero1": "zero1", "Zero2": "zero2", "Zero3": "zero3", "FSDP": "fsdp"}
+LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
+          "comm_buffers": "comm buffers", "activations": "activations", "other": "other"}
+
+
+class Accounting:
+    """The end-of-run report: memory at the peak by category, next to what
+    tiny_zero's partition holds and what the ZeRO formula says for this
+    strategy and world size (tiny_zero.estimate), and the communication of a
+    training step next to the theory. train() makes one before the loop,
+    calls training_done() after it and report() at the very end (on every
+    rank: the ranks' peaks are gathered; rank 0 prints)."""
+
+    def __init__(self, model, opt, memory, args):
+        self.model, self.memory, self.args = model, memory, args
+        self.strategy = STRATEGY_OF.get(type(model).__name__, "single")
+        if memory is not None:
+            memory.attach(model, opt)  # from now on the breakdown is taken at each new peak
+        self.sent = dict(comm.stats.elements)
+        self.steps = 0
+
+    def training_done(self, steps):
+        """What the training steps sent (eval's forwards gather too: not counted)."""
+        before, self.steps = self.sent, steps
+        self.sent = {kind: count - before.get(kind, 0) for kind, count in comm.stats.elements.items()
+                     if count > before.get(kind, 0)}
+
+    def report(self):
+        model, rank, n = self.model, getattr(self.model, "rank", 0), getattr(self.model, "world_size", 1)
+        dtype = getattr(model, "param_dtype", None) or next(model.parameters()).dtype
+        precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+        with torch.device("meta"):  # the model as built, for Ψ and the estimator: nothing allocated
+            module = build_model(self.args)
+        numel = sum(p.numel() for p in module.parameters())
+        lines = self.memory_lines(module, numel, precision, n) + self.comm_lines(module, numel, precision, n)
+        if rank == 0:
+            print("\n".join(line.rstrip() for line in lines))
+
+    def memory_lines(self, module, numel, precision, n):
+        memory, cuda = self.memory, torch.cuda.is_available()
+        mine = (memory.peak if memory is not None else torch.cuda.max_memory_allocated(),
+                memory.peak_breakdown if memory is not None else None,
+                (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if cuda else None)
+        everyone = [mine] * n
+        if n > 1:
+            dist.all_gather_object(everyone, mine)  # plain torch.distributed: not counted in comm.stats
+        top = max(range(n), key=lambda r: everyone[r][0])
+        peak, breakdown, allocator = everyone[top]
+        fmt = estimate.fmt_bytes
+        held_like = self.strategy if self.strategy != "single" else "ddp"  # one device holds what ddp holds
+        partition = estimate.model_state(module, held_like, n, precision)[top]
+        formula = estimate.zero_formula(self.strategy, numel, n, precision)
+        terms = estimate.formula_terms(self.strategy, precision)
+        where = f"rank {top}, the highest of {n}" if n > 1 else "one device"
+        lines = [f"memory at the peak ({where}), Ψ = {numel:,}"]
+        if allocator is not None:
+            lines.append(f"  CUDA: max_memory_allocated {fmt(allocator[0])}, max_memory_reserved {fmt(allocator[1])}")
+        row = "  {:<17} {:>12} {:>14} {:>14}  {}"
+        lines.append(row.format("", "measured" if breakdown else "", "tiny_zero", "ZeRO formula",
+                                f"({self.strategy}, {precision or 'fp32'}, N={n})"))
+        measured = {c: fmt(v) for c, v in breakdown.items()} if breakdown else dict.fromkeys(LABELS, "")
+        for category in estimate.CATEGORIES:
+            lines.append(row.format(LABELS[category], measured[category], fmt(partition[category]),
+                                    fmt(formula[category]), estimate.term_text(*terms[category])))
+        state = fmt(sum(breakdown[c] for c in estimate.CATEGORIES)) if breakdown else ""
+        lines.append(row.format("= model state", state, fmt(sum(partition.values())), fmt(sum(formula.values())),
+                                estimate.formula_text(self.strategy, precision)))
+        if not breakdown:
+            lines.append("  (no breakdown: on CUDA the examples leave tiny_zero.memory off)")
+            return lines
+        for category in ("comm_buffers", "activations", "other"):
+            lines.append(row.format(LABELS[category], measured[category], "", "", ""))
+        lines.append(row.format("total", fmt(peak), "", "", "live tensor bytes, tiny_zero.memory"))
+        lines.append("  (tiny_zero: what its partition holds after a step, with padding and owner table. The "
+                     "peak comes in backward, when some grads are not made yet or sit in buckets: comm buffers)")
+        return lines
+
+    def comm_lines(self, module, numel, precision, n):
+        if self.strategy == "single":
+            return ["communication: none (one device)"]
+        per_step = {kind: count / max(self.steps, 1) for kind, count in self.sent.items()}
+        sent = estimate.transfers_per_rank(per_step, n)
+        expected = estimate.transfers_per_rank(estimate.comm_per_step(module, self.strategy, n, precision), n)
+        theory = estimate.comm_theory(self.strategy, numel, n)
+        multiple = 3 if self.strategy in ("zero3", "fsdp") else 2
+        kinds = ", ".join(f"{kind} {count:,.0f}" for kind, count in per_step.items())
+        return [f"communication per training step (tiny_zero.comm, {self.steps} steps; every rank alike)",
+                f"  collective sizes: {kinds or 'none'} elements",
+                f"  per rank: {sent:,.0f} element-transfers = {sent / numel:.3f}Ψ "
+                f"(each rank moves (N-1)/N = {(n - 1) / n:.3f} of a collective, twice that of an all-reduce)",
+                f"  tiny_zero.estimate: {expected:,.0f} (without the grad norm's scalar all-reduce"
+                + ("; a tied weight is gathered by each layer that uses it" if multiple == 3 else "")
+                + ("; blocks recomputed under --checkpoint-activations gather once more"
+                   if multiple == 3 and self.args.checkpoint_activations else "") + ")",
+                f"  ZeRO theory: {multiple}Ψ(N-1)/N = {theory:,.0f}"]

@@ -82,3 +82,76 @@ def test_other_devices_and_meta_are_not_counted():
         assert memory.current == 0
     assert memory.cuda_peak == (torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None)
     del x, m
+
+
+def test_breakdown_of_a_plain_model_and_its_optimizer():
+    """Parameters, grads and AdamW state by identity; what autograd saved
+    for backward is activations until backward frees it; the rest is other."""
+    model = nn.Linear(100, 10)  # 1010 parameters
+    param_bytes = 1010 * 4
+    with TensorMemory() as memory:
+        memory.track(model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        memory.attach(model, opt)
+        assert memory.breakdown()["parameters"] == param_bytes
+        x = torch.randn(8, 100)  # saved by the linear layer (for the weight's grad)
+        y = model(x)             # not saved: tanh keeps its output
+        z = torch.tanh(y)
+        loss = z.sum()
+        after_forward = memory.breakdown()
+        assert after_forward["activations"] == 8 * 100 * 4 + 8 * 10 * 4  # x and z
+        assert after_forward["other"] == 8 * 10 * 4 + 4  # y and the loss
+        loss.backward()
+        opt.step()
+        gc.collect()
+        held = memory.breakdown()
+        steps = 2 * 4  # each parameter's step counter
+        assert (held["parameters"], held["gradients"], held["optimizer_state"]) == \
+            (param_bytes, param_bytes, 2 * param_bytes + steps)
+        assert held["activations"] == 0  # backward released what it saved; x, z are plain tensors now
+        assert held["other"] == 8 * 100 * 4 + 2 * 8 * 10 * 4 + 4
+        assert sum(held.values()) == memory.current
+        assert sum(memory.peak_breakdown.values()) == memory.peak
+        del x, y, z, loss
+        memory.reset_peak()
+        assert memory.peak_breakdown == memory.breakdown()
+        assert sum(memory.peak_breakdown.values()) == memory.peak == memory.current
+
+
+def test_breakdown_is_taken_at_the_peak():
+    model = nn.Linear(10, 10, bias=False)
+    with TensorMemory() as memory:
+        memory.track(model.parameters())
+        memory.attach(model)
+        temporary = torch.empty(1000)  # the peak: 4000 bytes of other
+        del temporary
+        torch.empty(10)
+        assert memory.peak == 400 + 4000
+        assert memory.peak_breakdown["other"] == 4000
+        assert memory.peak_breakdown["parameters"] == 400
+
+
+def test_without_attach_everything_is_other_or_activations():
+    with TensorMemory() as memory:
+        x = torch.randn(10, requires_grad=True)
+        y = x.exp()  # saves its output
+        breakdown = memory.breakdown()
+        assert breakdown["activations"] == 40 and breakdown["other"] == 40
+        assert memory.peak_breakdown is None
+    assert memory.cuda_reserved_peak == (torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None)
+    del y
+
+
+def test_the_tensor_that_sets_the_peak_is_classified_once_stored():
+    """The breakdown waits until the storages change again, so a tensor
+    allocated at the peak and then stored (here as optimizer state) is found."""
+    model = nn.Linear(10, 10, bias=False)
+    opt = torch.optim.AdamW(model.parameters())
+    with TensorMemory() as memory:
+        memory.track(model.parameters())
+        memory.attach(model, opt)
+        opt.state[model.weight]["exp_avg"] = torch.zeros(1000)  # the peak, stored right after
+        assert memory.peak_breakdown["optimizer_state"] == 4000
+        opt.state.clear()  # freed: the peak's breakdown stays
+        assert memory.peak == 4400 and memory.peak_breakdown["parameters"] == 400
+        assert memory.peak_breakdown["optimizer_state"] == 4000 and memory.peak_breakdown["other"] == 0

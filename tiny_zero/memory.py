@@ -37,15 +37,16 @@ against what the model and optimizer hold at that moment (held_tensors()):
     other            everything else: the batch, logits and loss, gradients
                      of activations, temporaries of the optimizer step
 
-The first category that names a storage wins. The breakdown is taken each
-time the peak rises, so peak_breakdown sums to peak. What is approximate:
-the storage whose allocation sets a new peak is classified before the code
-that made it can store it anywhere, so if that is a bucket or a gathered
-parameter it counts as `other` at that instant (with these models the peak
-is set by an activation or a temporary of backward, where this does not
-matter); activations saved inside activation checkpointing's own hooks, and
-saved tensors that are also used elsewhere after backward, are what
-`activations` cannot see exactly.
+The first category that names a storage wins. After the peak rises, the
+breakdown is taken at the last moment the same storages are alive: just
+before the next allocation or free (or when peak_breakdown is read). So it
+sums to peak, and the code that made the peak's newest tensor has usually
+stored it by then. What is approximate: a tensor not yet stored where
+held_tensors() looks counts as `other` (a gather whose layer has more
+parameters still to allocate, say); tensors saved under activation
+checkpointing's own hooks count as `other`, not `activations`. For the
+example GPTs the peak is reached early in backward (the logits' grad, or a
+LayerNorm's backward temporary), with every activation still saved.
 """
 import weakref
 from collections import Counter
@@ -67,7 +68,8 @@ class TensorMemory(TorchDispatchMode):
         self.device_type = None if device is None else torch.device(device).type
         self.current = 0  # bytes of tracked storages alive now
         self.peak = 0     # the most `current` has been since creation or reset_peak()
-        self.peak_breakdown = None  # {category: bytes} at the peak, once attach() was called
+        self._peak_breakdown = None
+        self._pending = False  # the peak rose and its breakdown is still to be taken
         self._bytes = {}  # id(storage) -> its bytes, for tracked storages alive now
         self._saved = Counter()  # id(storage) -> tensors autograd holds for backward
         self._holders = None  # (model, optimizer), from attach()
@@ -126,21 +128,31 @@ class TensorMemory(TorchDispatchMode):
 
     def breakdown(self):
         """{category: bytes} of the storages alive now (see the module docstring)."""
+        return self._classify()
+
+    def _classify(self):  # what breakdown() returns; used inside, so a subclass may redefine breakdown()
         category_of = {}
         if self._holders is not None:
             for category, tensors in held_tensors(*self._holders).items():
                 for s in self._storages(tensors):
                     category_of.setdefault(id(s), category)
         out = dict.fromkeys(CATEGORIES, 0)
-        for key, size in self._bytes.items():
+        for key, size in list(self._bytes.items()):  # a copy: the garbage collector may free storages meanwhile
             out[category_of.get(key) or ("activations" if self._saved[key] else "other")] += size
         return out
+
+    @property
+    def peak_breakdown(self):
+        """{category: bytes} at the peak (None before attach()); sums to peak."""
+        self._settle()
+        return self._peak_breakdown
 
     def reset_peak(self):
         """Start a new peak from what is alive now (and CUDA's, if present)."""
         self.peak = self.current
+        self._pending = False
         if self._holders is not None:
-            self.peak_breakdown = self.breakdown()
+            self._peak_breakdown = self._classify()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
@@ -159,17 +171,26 @@ class TensorMemory(TorchDispatchMode):
         key = id(storage)  # safe: the entry is removed before the object (and its id) goes away
         if key in self._bytes:
             return
+        self._settle()
         size = storage.nbytes()
         self._bytes[key] = size
         self.current += size
         weakref.finalize(storage, self._free, key).atexit = False
         if self.current > self.peak:
             self.peak = self.current
-            if self._holders is not None:
-                self.peak_breakdown = self.breakdown()
+            self._pending = self._holders is not None
 
     def _free(self, key):
+        self._settle()
         self.current -= self._bytes.pop(key)
+
+    def _settle(self):
+        """Take the pending peak's breakdown: called just before the live
+        storages change, so the code that allocated the peak's last storage
+        has had every chance to store it where held_tensors() finds it."""
+        if self._pending:
+            self._pending = False
+            self._peak_breakdown = self._classify()
 
     def _pack(self, tensor):
         """Saved-tensor hook: note that autograd holds this storage until the

@@ -1,0 +1,239 @@
+"""Model-state memory and communication per rank, without allocating the model.
+
+    python -m tiny_zero.estimate --model gpt2-xl --strategy zero3 --world-size 64 [--mixed-precision bf16]
+
+Two estimates, side by side. The ZeRO formula (Rajbhandari et al., 2020), for
+Ψ parameters on N ranks, P bytes per parameter and per gradient (4 in fp32,
+2 in bf16/fp16) and K bytes of optimizer state per parameter (AdamW: 8 for
+the two fp32 moments, 12 under mixed precision with the fp32 master):
+
+    ddp          PΨ + PΨ + KΨ
+    zero1        PΨ + PΨ + KΨ/N     (the full gradients stay, as in the paper)
+    zero2        PΨ + (P + K)Ψ/N
+    zero3, fsdp  (2P + K)Ψ/N
+
+And what tiny_zero's wrappers allocate, from the code that partitions: the
+buckets of zero1/2 padded to N at the default bucket size, zero3's owner
+table (whole tensors, so ranks differ: the mean and the most-loaded rank,
+which holds at least the largest tensor), fsdp's per-layer units padded to N; plus 4 bytes of step count per
+optimizer tensor. This is what a rank holds after a step, before
+zero_grad(): activations, buckets in flight and gathered parameters come on
+top (tiny_zero.memory measures those).
+
+Communication per step is the collectives each strategy issues, by size (the
+whole buffer, as tiny_zero.comm counts them), for a model whose every layer
+runs once in forward and once in backward. A rank sends and receives about
+(N-1)/N of each (twice that for an all-reduce), so per rank the ZeRO paper's
+volumes are ddp and zero1/2 2Ψ(N-1)/N, zero3 and fsdp 3Ψ(N-1)/N. A tied
+weight is gathered once per layer that uses it, so a GPT's zero3/fsdp traffic
+is a little over 3Ψ. One scalar all-reduce per step (the gradient norm) is left out.
+"""
+import argparse
+import sys
+
+import torch
+
+from .buckets import make_buckets
+from .fsdp.model import layer_units
+from .module import torch_type
+from .partition import loads, owner_table
+from .precision import param_dtype
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # the wrappers' default bucket_bytes
+CATEGORIES = ("parameters", "gradients", "optimizer_state")  # model state, as tiny_zero.memory names it
+STEP_BYTES = 4  # AdamW's step count: an fp32 scalar per optimizer tensor
+
+
+def formula_terms(strategy, mixed_precision=None):
+    """The ZeRO formula's terms: {category: (bytes per parameter, divided by N)}.
+    strategy: one of STRATEGIES, or "single" (one device: the same as ddp)."""
+    p, k = element_bytes(mixed_precision)
+    sharded = {"single": (), "ddp": (), "zero1": ("optimizer_state",),
+               "zero2": ("gradients", "optimizer_state"),
+               "zero3": CATEGORIES, "fsdp": CATEGORIES}[strategy]
+    return {c: (size, c in sharded) for c, size in zip(CATEGORIES, (p, p, k))}
+
+
+def zero_formula(strategy, numel, world_size, mixed_precision=None):
+    """Bytes per rank by the ZeRO formula: {parameters, gradients, optimizer_state}."""
+    return {c: numel * size / (world_size if sharded else 1)
+            for c, (size, sharded) in formula_terms(strategy, mixed_precision).items()}
+
+
+def term_text(size, sharded):
+    return f"{size}Ψ/N" if sharded else f"{size}Ψ"
+
+
+def formula_text(strategy, mixed_precision=None):
+    """The formula as text: '4Ψ + 4Ψ + 8Ψ/N', '16Ψ/N'."""
+    terms = formula_terms(strategy, mixed_precision).values()
+    if all(sharded for _, sharded in terms):
+        return term_text(sum(size for size, _ in terms), True)
+    return " + ".join(term_text(*t) for t in terms)
+
+
+def comm_theory(strategy, numel, world_size):
+    """The ZeRO paper's element-transfers per rank per step: 2Ψ or 3Ψ, times (N-1)/N."""
+    if strategy == "single":
+        return 0
+    return (3 if strategy in ("zero3", "fsdp") else 2) * numel * (world_size - 1) / world_size
+
+
+def transfers_per_rank(elements, world_size):
+    """Element-transfers per rank for {collective kind: elements}: (N-1)/N of
+    each collective's size, twice that for an all-reduce (reduce-scatter + all-gather)."""
+    share = (world_size - 1) / world_size
+    return sum(count * share * (2 if kind == "all_reduce" else 1) for kind, count in elements.items())
+
+
+def model_state(module, strategy, world_size, mixed_precision=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """Per rank (a list of N dicts), the bytes of {parameters, gradients,
+    optimizer_state} that tiny_zero's `strategy` holds after a step, for
+    `module` (build it on the meta device: nothing is allocated)."""
+    p, k = element_bytes(mixed_precision)
+    params = [param for _, param in module.named_parameters()]  # a tied parameter once
+    numel = sum(param.numel() for param in params)
+    n = world_size
+    if strategy == "ddp":  # elements of params, grads, optimizer state; optimizer tensors
+        held = [(numel, numel, numel, len(params))] * n
+    elif strategy in ("zero1", "zero2"):
+        buckets = make_buckets(as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=n)
+        total = sum(b.numel for b in buckets)
+        grads = total if strategy == "zero1" else total // n
+        held = [(total, grads, total // n, len(buckets))] * n
+    elif strategy == "zero3":
+        named = [(name, param.numel()) for name, param in module.named_parameters()]
+        owner = owner_table(named, n)
+        tensors = [sum(1 for name, _ in named if owner[name] == r) for r in range(n)]
+        held = [(load, load, load, t) for load, t in zip(loads(owner, named, n), tensors)]
+    elif strategy == "fsdp":
+        units = layer_units(layers(module), n)
+        share = sum(u.numel for u in units) // n
+        held = [(share, share, share, len(units))] * n
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    return [dict(parameters=a * p, gradients=g * p, optimizer_state=s * k + t * STEP_BYTES)
+            for a, g, s, t in held]
+
+
+def comm_per_step(module, strategy, world_size, mixed_precision=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """{collective kind: elements} that `strategy` sends in one step (as tiny_zero.comm counts)."""
+    params = [param for _, param in module.named_parameters()]
+    numel = sum(param.numel() for param in params)
+    if strategy == "ddp":  # one flat buffer, all-reduced bucket by bucket
+        return {"all_reduce": numel}
+    if strategy in ("zero1", "zero2"):  # grads reduce-scattered, updated params all-gathered
+        buckets = make_buckets(as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=world_size)
+        padded = sum(b.numel for b in buckets)
+        return {"reduce_scatter": padded, "all_gather": padded}
+    if strategy == "zero3":  # each layer broadcasts its parameters before forward and before backward
+        used = sum(param.numel() for layer in layers(module) for param in layer.parameters(recurse=False))
+        return {"broadcast": 2 * used, "reduce": numel}
+    if strategy == "fsdp":  # each layer gathers its units (a tied weight: the unit that holds it)
+        units = layer_units(layers(module), world_size)
+        unit_of = {param: u for u in units for param in u.params}
+        used = sum(u.numel for layer in layers(module)
+                   for u in dict.fromkeys(unit_of[q] for q in layer.parameters(recurse=False)))
+        return {"all_gather": 2 * used, "reduce_scatter": sum(u.numel for u in units)}
+    raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+
+
+def element_bytes(mixed_precision=None):
+    """(P, K): bytes per parameter (and per gradient), and of AdamW state per parameter."""
+    p = torch.finfo(param_dtype(mixed_precision)).bits // 8
+    return p, 8 if p == 4 else 12  # mixed precision adds the fp32 master
+
+
+def as_dtype(params, mixed_precision):
+    """Meta stand-ins in the parameter dtype: the wrappers convert the model
+    before they cut buckets, and a bucket's capacity is in bytes."""
+    dtype = param_dtype(mixed_precision)
+    return [torch.empty(q.shape, dtype=dtype, device="meta") for q in params]
+
+
+def layers(module):
+    """The layers that hold parameters (Linear, LayerNorm, Embedding), in module order."""
+    return [m for m in module.modules()
+            if torch_type(m) is not None and any(True for _ in m.parameters(recurse=False))]
+
+
+def fmt_bytes(n):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def report(module, model_name, strategy, world_size, mixed_precision=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """The CLI's text for one strategy."""
+    numel = sum(p.numel() for p in module.parameters())
+    n = world_size
+    precision = mixed_precision or "fp32"
+    lines = [f"{model_name}, {strategy} on {n} ranks, {precision}: Ψ = {numel:,} parameters"]
+    row = "  {:<40} {:>11} {:>11} {:>11} {:>11} {:>10}"
+    lines.append(row.format("model state per rank", "parameters", "gradients", "optimizer", "total", "x formula"))
+    formula = zero_formula(strategy, numel, n, mixed_precision)
+
+    def add(label, held):
+        parts = [held["parameters"], held["gradients"], held["optimizer_state"]]
+        ratio = sum(parts) / sum(formula.values())
+        lines.append(row.format(label, *map(fmt_bytes, parts + [sum(parts)]), f"{ratio:.4f}"))
+
+    add(f"ZeRO formula {formula_text(strategy, mixed_precision)}", formula)
+    ranks = model_state(module, strategy, n, mixed_precision, bucket_bytes)
+    if strategy == "zero3":
+        mean = {key: sum(r[key] for r in ranks) / n for key in ranks[0]}
+        most = max(range(n), key=lambda r: sum(ranks[r].values()))
+        add("tiny_zero owner table, mean", mean)
+        add(f"tiny_zero owner table, rank {most} (most)", ranks[most])
+    else:
+        padding = {"zero1": f", {fmt_bytes(bucket_bytes)} buckets padded",
+                   "zero2": f", {fmt_bytes(bucket_bytes)} buckets padded",
+                   "fsdp": ", per-layer units padded"}.get(strategy, "")
+        add(f"tiny_zero{padding}", ranks[0])
+
+    elements = comm_per_step(module, strategy, n, mixed_precision, bucket_bytes)
+    p, _ = element_bytes(mixed_precision)
+    lines.append("  communication per step (the size of each kind of collective, summed; as tiny_zero.comm counts)")
+    for kind, count in elements.items():
+        lines.append(f"    {kind:<16} {count:>16,} elements {fmt_bytes(count * p):>12}")
+    sent, theory = transfers_per_rank(elements, n), comm_theory(strategy, numel, n)
+    lines.append(f"    per rank: {sent:,.0f} element-transfers = {sent / numel:.3f}Ψ "
+                 f"(ZeRO: {3 if strategy in ('zero3', 'fsdp') else 2}Ψ(N-1)/N = {theory:,.0f}; "
+                 f"(N-1)/N = {(n - 1) / n:.3f})")
+    return "\n".join(lines)
+
+
+def build_meta(name):
+    try:
+        from example.model import CONFIGS, build_model
+    except ImportError:
+        raise SystemExit("error: the example models (example/model.py) are importable only from a "
+                         "checkout: run this from the repository root") from None
+    if name not in CONFIGS:
+        raise SystemExit(f"error: unknown model {name!r}; choose from {', '.join(CONFIGS)}")
+    return build_model(name, device="meta")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tiny_zero.estimate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt2", help="a config name of example/model.py (default: gpt2)")
+    p.add_argument("--strategy", choices=STRATEGIES, nargs="+", default=list(STRATEGIES),
+                   help="one or more (default: all)")
+    p.add_argument("--world-size", type=int, default=8, help="ranks N (default: 8)")
+    p.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
+                   help="bf16/fp16 parameters and grads, fp32 masters and moments (default: fp32)")
+    p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
+                   help="bucket size in MiB (default: the wrappers' 25)")
+    args = p.parse_args(argv)
+    if args.world_size < 1:
+        p.error("--world-size must be >= 1")
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    module = build_meta(args.model)
+    print("\n\n".join(report(module, args.model, s, args.world_size, args.mixed_precision, bucket_bytes)
+                      for s in args.strategy))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
