@@ -1,8 +1,9 @@
 """FSDP, intra-tensor: every tensor is split 1/N across ranks.
 
 A rank holds: for each layer, a 1/N slice of the layer's flattened, padded
-parameters (unit.shard), the same slice of its grads and optimizer state;
-full parameters only while a layer uses them.
+parameters (unit.shard), the same slice of its grads (from its
+reduce-scatter to zero_grad) and optimizer state; full parameters only while
+a layer uses them.
 Collectives: all_gather of each layer's unit before its forward and again
 before its backward, the next layer prefetched (module.py); reduce_scatter
 of each unit's grads during backward. The optimizer steps the slices: no
@@ -42,7 +43,6 @@ class FSDP(GatheredWrapper):
         size = unit.numel // self.world_size
         begin = self.rank * size
         unit.shard = nn.Parameter(torch.zeros(size, dtype=dtype, device=self.device))
-        self.grads_of[unit.shard] = torch.zeros(size, dtype=self.reduce_dtype, device=self.device)
         for p in unit.params:
             value = full_value(self.module, name_of[p], p, self.device)
             if not p.is_meta:
@@ -54,6 +54,9 @@ class FSDP(GatheredWrapper):
             set_data(p, self.empty)
 
     def send_bucket(self, unit, full_grads):
+        # the grad slice exists from the unit's first reduce-scatter to zero_grad
+        if unit.shard not in self.grads_of:
+            self.grads_of[unit.shard] = full_grads.new_empty(unit.shard.numel())  # filled by the collective
         return comm.reduce_scatter(self.grads_of[unit.shard], full_grads, async_op=True)  # STRATEGY: each rank gets its slice's sum
 
     def bucket_done(self, unit, full_grads):
@@ -63,6 +66,7 @@ class FSDP(GatheredWrapper):
         return [u.shard for u in self.units]
 
     def zero_grads(self):
+        self.grads_of.clear()
         self.grads.clear()
 
     def pieces(self):
