@@ -22,10 +22,11 @@ def test_parity_with_torch(world_size):
 
 
 def test_parity_world_4_and_degenerate_sizes():
-    """World 4: the parity model, and a model with fewer tensors (3) than ranks
-    and a LayerNorm of 2 elements (fsdp pads it), every strategy."""
+    """World 4: the parity model (plain, eps=1, no_sync), and, clipped, a model
+    with fewer tensors (3) than ranks and a LayerNorm of 3 elements (fsdp pads
+    it), every strategy."""
     results = run_checks(4, "parity_checks", [
-        ("parity", "parity", (STRATEGIES, ["plain", "no_sync"], "parity")),
+        ("parity", "parity", (STRATEGIES, ["plain", "eps1", "no_sync"], "parity")),
         ("few", "parity", (STRATEGIES, ["clip"], "few_tensors"))])
     failures = [f for per_rank in results.values() for rank in per_rank for f in rank]
     assert not failures, "\n".join(failures[:40])
