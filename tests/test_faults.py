@@ -1,0 +1,180 @@
+"""Faults, tried on purpose on the example scripts.
+
+Elastic restart: torchrun --max-restarts 1 runs example/zero2/train.py with
+--save-every and --resume; the test SIGKILLs one worker after the first
+checkpoint; torchrun restarts the group, which resumes from the last
+checkpoint, and the run ends with the same parameters, bit for bit, and the
+same per-step losses as a run that was never interrupted.
+
+Non-finite loss: a learning rate far too large makes the loss inf/nan within
+a few steps; the example stops with an error naming the step, on every rank,
+or with --skip-nonfinite skips those steps and says how many.
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tiny_zero.checkpoint import consolidate  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "0"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+STEPS, SAVE_EVERY = 40, 5
+STEPS_DIVERGING = 6
+DIVERGING = ["--steps", str(STEPS_DIVERGING), "--lr", "1e3"]  # weights ~1e3 after a step or two: the loss turns nan
+
+
+def script(strategy):
+    return str(ROOT / "example" / strategy / "train.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses(stdout):
+    """{step: the printed loss} (a step printed twice, before and after a restart, keeps the last)."""
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+) loss (\S+)$", stdout, re.MULTILINE)}
+
+
+class Launched:
+    """A command in its own process group, output to files; killed with its
+    whole group (the agent and its workers) if the test ends before it does."""
+
+    def __init__(self, command, log_dir, name, env=ENV):
+        self.out_path, self.err_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err,
+                                         start_new_session=True)
+
+    def wait(self, timeout):
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"ran over {timeout} s:\n{self.output()}") from None
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    @property
+    def stdout(self):
+        return self.out_path.read_text()
+
+    def output(self):
+        return f"{self.stdout}\n--- stderr (end) ---\n{self.err_path.read_text()[-4000:]}"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
+def workers(agent_pid):
+    """{RANK: pid} of the processes the torchrun agent started."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+        if parent == agent_pid:
+            rank = next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
+            if rank is not None:
+                found[int(rank)] = int(entry.name)
+    return found
+
+
+def wait_for(condition, timeout, what, launched):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if launched.proc.poll() is not None:
+            raise AssertionError(f"ended (exit {launched.proc.returncode}) before {what}:\n{launched.output()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s:\n{launched.output()}")
+        time.sleep(0.01)
+
+
+def test_elastic_restart_after_a_killed_worker_resumes_bit_identically(tmp_path):
+    flags = [*TINY, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
+    with Launched([*TORCHRUN, "--standalone", "--nproc_per_node", "2", script("zero2"), *flags,
+                   "--save-dir", str(tmp_path / "uninterrupted")], tmp_path, "uninterrupted") as reference:
+        assert reference.wait(timeout=180) == 0, reference.output()
+    expected = losses(reference.stdout)
+    assert sorted(expected) == list(range(STEPS))
+
+    save_dir = tmp_path / "killed"
+    command = [*TORCHRUN, "--nproc_per_node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "faults",
+               script("zero2"), *flags, "--save-dir", str(save_dir), "--resume"]
+    # torchrun's c10d rendezvous shares one TCP store with the workers, across restarts, without
+    # a per-restart prefix (pytorch/pytorch#135712): a restarted gloo group can read the dead
+    # workers' addresses and fail ("Connection refused") or hang. Opting out gives each restart
+    # a fresh store.
+    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with Launched(command, tmp_path, "killed", env) as run:
+        wait_for(lambda: (save_dir / "meta.pt").exists(), 120, "first checkpoint", run)
+        pids = workers(run.proc.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGKILL)
+        assert run.wait(timeout=180) == 0, run.output()
+    out = run.stdout
+
+    resumed = re.findall(rf"^resumed from {re.escape(str(save_dir))} at step (\d+)$", out, re.MULTILINE)
+    assert len(resumed) == 1, out  # the first attempt found nothing to resume; the restart did
+    step = int(resumed[0])
+    assert SAVE_EVERY <= step < STEPS and step % SAVE_EVERY == 0, out
+    assert out.index("step 0 loss") < out.index("resumed from"), out  # the kill came mid-run
+    assert losses(out) == expected  # every step, those redone after the restart included
+
+    final, full = consolidate(save_dir), consolidate(tmp_path / "uninterrupted")
+    assert list(final) == list(full)
+    different = [key for key in full if not torch.equal(final[key], full[key])]
+    assert not different, f"not bit-identical after the restart: {different}"
+
+
+def run_diverging(tmp_path, *flags):
+    """zero3 on 2 ranks with DIVERGING: (exit status, stdout, stderr)."""
+    command = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", script("zero3"), *TINY, *DIVERGING, *flags]
+    with Launched(command, tmp_path, "diverging") as run:
+        status = run.wait(timeout=120)
+    return status, run.stdout, run.err_path.read_text()
+
+
+def test_nonfinite_loss_stops_naming_the_step(tmp_path):
+    status, out, err = run_diverging(tmp_path)
+    assert status != 0
+    errors = set(re.findall(r"^error: .*$", err, re.MULTILINE))
+    # every rank stops at the same step (torchrun may end one before it prints: one line or two)
+    assert len(errors) == 1, err[-3000:]
+    step = re.fullmatch(r"error: the loss is not finite at step (\d+) \(on some rank\); "
+                        r"--skip-nonfinite skips such steps instead", errors.pop())
+    assert step, err[-3000:]
+    assert 0 < int(step.group(1)) < STEPS_DIVERGING
+    assert sorted(losses(out)) == list(range(int(step.group(1))))  # it stopped there, before any update
+
+
+def test_skip_nonfinite_skips_and_counts(tmp_path):
+    status, out, err = run_diverging(tmp_path, "--skip-nonfinite")
+    assert status == 0, err[-3000:]
+    skipped = STEPS_DIVERGING - len(losses(out))  # a step prints its loss only when it trains
+    assert 0 < skipped < STEPS_DIVERGING, out
+    assert re.search(rf"^skipped {skipped} steps with a non-finite loss$", out, re.MULTILINE), out
