@@ -8,7 +8,8 @@ two nodes RANK is 2 or 3 while LOCAL_RANK is 0 or 1: the device must follow
 LOCAL_RANK. Then runs each example in turn, unchanged, with the flags after
 `--` (one launch instead of one per example: starting processes is the slow
 part on 2 cores); rank 0 prints `== SCRIPT` before each. The first example
-creates the process group, the others use it.
+creates the process group and the others use it, so it is destroyed once,
+after the last example, whatever the examples do at their end.
 """
 import os
 import runpy
@@ -17,6 +18,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -37,11 +39,17 @@ def main():
     print(f"worker {env} device {device} set_device {[str(d) for d in chosen]}", flush=True)
     split = sys.argv.index("--")
     scripts, flags = sys.argv[1:split], sys.argv[split + 1:]
-    for script in scripts:
-        if os.environ["RANK"] == "0":
-            print(f"== {script}", flush=True)
-        sys.argv = [script, *flags]
-        runpy.run_path(script, run_name="__main__")
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda *args, **kwargs: None
+    try:
+        for script in scripts:
+            if os.environ["RANK"] == "0":
+                print(f"== {script}", flush=True)
+            sys.argv = [script, *flags]
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        dist.destroy_process_group = destroy
+    destroy()
 
 
 if __name__ == "__main__":
