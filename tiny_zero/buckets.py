@@ -139,8 +139,9 @@ class BucketedGrads:
         bucket.own_view(self.buffer(bucket), param).add_(grad)
         for ready in self.queue.grad_added(param, send=self.wrapper.require_grad_sync):
             self.send(ready)
-            if ready.index > 0:
-                self.wait(self.buckets[ready.index - 1])  # it had this bucket's compute to finish
+            before = self.buckets.index(ready) - 1  # in sending order (a bucket's index is its layout place)
+            if before >= 0:
+                self.wait(self.buckets[before])  # it had this bucket's compute to finish
 
     def buffer(self, bucket):
         if bucket not in self.buffers:

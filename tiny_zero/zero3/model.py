@@ -83,14 +83,15 @@ class Zero3(GatheredWrapper):
 def owner_buckets(params, owner, bucket_bytes):
     """Buckets of grads bound for one owner each, at most bucket_bytes, ordered
     by when their last grad becomes ready."""
-    runs, open_runs = [], {}
+    runs, open_runs, last = [], {}, {}
     for position, p in enumerate(params):
         run = open_runs.setdefault(owner[p], [])
         if run and sum(q.numel() * q.element_size() for q in run) + p.numel() * p.element_size() > bucket_bytes:
-            runs.append((position - 1, run))
+            runs.append((last[owner[p]], run))  # ordered by its own last grad
             run = open_runs[owner[p]] = []
         run.append(p)
-    runs += [(len(params), run) for run in open_runs.values()]
+        last[owner[p]] = position
+    runs += [(last[r], run) for r, run in open_runs.items()]
     runs.sort(key=lambda item: item[0])
     buckets = buckets_from_runs([run for _, run in runs])
     for b in buckets:
