@@ -6,7 +6,7 @@ rate, the global gradient norm clipped to 1.0. On rank 0, train() prints one
 line per step, `step N loss X`, with the loss averaged over ranks, then the
 val loss and the peak memory, and (Accounting, at the end of the file) the
 memory at the peak by category and the communication per step, each next
-to tiny_zero.estimate and the ZeRO formula. Each rank takes its own rows of
+to tiny_zero.measure.estimate and the ZeRO formula. Each rank takes its own rows of
 one global batch (see example/data.py), so N ranks with --batch-size b see
 exactly what one process sees with N * b.
 """
@@ -24,14 +24,14 @@ from tqdm import tqdm
 from example.data import ByteData, load_text
 from example.model import CONFIGS, build_model as build_gpt
 import tiny_zero
-from tiny_zero import comm, estimate
-from tiny_zero.memory import TensorMemory
+from tiny_zero import comm
+from tiny_zero.measure import estimate
+from tiny_zero.measure.memory import TensorMemory
 
 MAX_GRAD_NORM = 1.0
 
 
 def parse_args(description=None, argv=None):
-    default_device = "cuda" if torch.cuda.is_available() else "cpu"
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", choices=list(CONFIGS), help="model size (default: small)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
@@ -39,10 +39,6 @@ def parse_args(description=None, argv=None):
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence (default: 128)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: 0.1)")
-    p.add_argument("--device", default=default_device,
-                   help=f"cpu or cuda (default here: {default_device}). The distributed wrappers choose "
-                        "their device themselves (cuda:LOCAL_RANK when CUDA is available, else cpu); "
-                        "for them this flag can only confirm that choice")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches (default: 0)")
     p.add_argument("--data", default=None,
                    help="a text file, or a folder of them (default: the Python standard library's source)")
@@ -71,7 +67,7 @@ def parse_args(description=None, argv=None):
     block_size = CONFIGS[args.model].block_size
     if args.seq_len > block_size:
         p.error(f"--seq-len {args.seq_len} is longer than model {args.model}'s block_size {block_size}")
-    args.device = torch.device(args.device)
+    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the wrappers choose alike
     return args
 
 
@@ -120,8 +116,6 @@ def train(model, opt, data, args, memory=None):
     .clip_grad_norm_)."""
     rank, world_size = getattr(model, "rank", 0), getattr(model, "world_size", 1)
     device = getattr(model, "device", None) or next(model.parameters()).device
-    if device.type != args.device.type:
-        raise SystemExit(f"error: --device {args.device} but {type(model).__name__} runs on {device}")
     tokens_per_step = args.batch_size * args.seq_len * world_size
     first_step = resume(model, opt, args, rank)
     reset_peak(memory, device)
@@ -171,6 +165,8 @@ def train(model, opt, data, args, memory=None):
         print(f"val loss {val_loss:.6f}")
         print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {peak_memory_kind(memory)})")
     accounting.report()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # a clean exit: gloo can abort in its destructor at interpreter exit
 
 
 def finite_on_all_ranks(loss):
@@ -251,11 +247,10 @@ def peak_memory(memory, device):
 
 def peak_memory_kind(memory):
     if memory is not None:
-        return "live tensor bytes in training and eval, counted by tiny_zero.memory"
+        return "live tensor bytes in training and eval, counted by tiny_zero.measure.memory"
     return "torch.cuda.max_memory_allocated in training and eval"
 
 
-STRATEGY_OF = {"DDP": "ddp", "Zero1": "zero1", "Zero2": "zero2", "Zero3": "zero3", "FSDP": "fsdp"}
 LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
           "comm_buffers": "comm buffers", "activations": "activations", "other": "other"}
 
@@ -263,14 +258,15 @@ LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state
 class Accounting:
     """The end-of-run report: memory at the peak by category, next to what
     tiny_zero's partition holds and what the ZeRO formula says for this
-    strategy and world size (tiny_zero.estimate), and the communication of a
+    strategy and world size (tiny_zero.measure.estimate), and the communication of a
     training step next to the theory. train() makes one before the loop,
     calls training_done() after it and report() at the very end (on every
     rank: the ranks' peaks are gathered; rank 0 prints)."""
 
     def __init__(self, model, opt, memory, args):
         self.model, self.memory, self.args = model, memory, args
-        self.strategy = STRATEGY_OF.get(type(model).__name__, "single")
+        self.strategy = next((name for name, (wrapper, _) in tiny_zero.STRATEGIES.items()
+                             if isinstance(model, wrapper)), "single")
         if memory is not None:
             memory.attach(model, opt)  # from now on the breakdown is taken at each new peak
         self.sent = dict(comm.stats.elements)
@@ -323,11 +319,11 @@ class Accounting:
         lines.append(row.format("= model state", state, fmt(sum(partition.values())), fmt(sum(formula.values())),
                                 estimate.formula_text(self.strategy, precision)))
         if not breakdown:
-            lines.append("  (no breakdown: on CUDA the examples leave tiny_zero.memory off)")
+            lines.append("  (no breakdown: on CUDA the examples leave tiny_zero.measure.memory off)")
             return lines
         for category in ("comm_buffers", "activations", "other"):
             lines.append(row.format(LABELS[category], measured[category], "", "", ""))
-        lines.append(row.format("total", fmt(peak), "", "", "live tensor bytes, tiny_zero.memory"))
+        lines.append(row.format("total", fmt(peak), "", "", "live tensor bytes, tiny_zero.measure.memory"))
         lines.append("  (tiny_zero: what its partition holds after a step, with padding and owner table. The "
                      "peak comes in backward, when some grads are not made yet or sit in buckets: comm buffers)")
         return lines
@@ -345,7 +341,7 @@ class Accounting:
                 f"  collective sizes: {kinds or 'none'} elements",
                 f"  per rank: {sent:,.0f} element-transfers = {sent / numel:.3f}Ψ "
                 f"(each rank moves (N-1)/N = {(n - 1) / n:.3f} of a collective, twice that of an all-reduce)",
-                f"  tiny_zero.estimate: {expected:,.0f} (without the grad norm's scalar all-reduce"
+                f"  tiny_zero.measure.estimate: {expected:,.0f} (without the grad norm's scalar all-reduce"
                 + ("; a tied weight is gathered by each layer that uses it" if multiple == 3 else "")
                 + ("; blocks recomputed under --checkpoint-activations gather once more"
                    if multiple == 3 and self.args.checkpoint_activations else "") + ")",

@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 import tiny_zero
-from tiny_zero.memory import TensorMemory
+from tiny_zero.measure.memory import TensorMemory
 from example.model import build_model
 
 STEPS = 3

@@ -232,14 +232,14 @@ def crash_during_save(root):
             failures.append(f"the writer's death reads: {e}")
     finally:
         torch.save = real_save
-    if not checkpoint.saving_dir(path).is_dir():
+    if not checkpoint.sharded.saving_dir(path).is_dir():
         failures.append("the crashed save left no temporary directory: the next check proves nothing")
     failures += loads_as("after a crash while writing", SAVE_AT, old)
 
     real_replace = os.replace
 
     def dies_before_second_rename(src, dst):
-        if Path(src) == checkpoint.saving_dir(path):
+        if Path(src) == checkpoint.sharded.saving_dir(path):
             raise OSError("killed between the renames")
         real_replace(src, dst)
 
@@ -253,7 +253,7 @@ def crash_during_save(root):
             failures.append(f"the rename's death reads: {e}")
     finally:
         os.replace = real_replace
-    if path.exists() or not checkpoint.backup_dir(path).is_dir():
+    if path.exists() or not checkpoint.sharded.backup_dir(path).is_dir():
         failures.append("the crash between the renames should leave only the backup: the check proves nothing")
     failures += loads_as("after a crash between the renames", SAVE_AT, old)
 

@@ -1,12 +1,12 @@
 """Worker for the estimator test (run on every rank): what each strategy
-holds and sends in one step of the tiny GPT, measured, for tiny_zero.estimate
+holds and sends in one step of the tiny GPT, measured, for tiny_zero.measure.estimate
 to be compared with."""
 import torch
 import torch.distributed as dist
 
 import tiny_zero
 from tiny_zero import comm
-from tiny_zero.memory import TensorMemory
+from tiny_zero.measure.memory import TensorMemory
 from example.model import build_model
 
 BUCKET_BYTES = 16 * 1024  # several buckets, so the padding of each shows

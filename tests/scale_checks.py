@@ -1,7 +1,7 @@
 """Worker functions for the load tests (run on every rank of a spawned world).
 
 soak(): every strategy trains ParityNet for many steps, one after another in
-the same world, while tiny_zero.memory.TensorMemory counts every live tensor
+the same world, while tiny_zero.measure.memory.TensorMemory counts every live tensor
 storage. The steps vary as training does: most are plain, every 10th
 accumulates two micro-batches under no_sync(), and every 10th is preceded
 by an eval forward under no_grad. Between steps (after zero_grad) a strategy
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import tiny_zero
-from tiny_zero.memory import TensorMemory
+from tiny_zero.measure.memory import TensorMemory
 from parity_checks import LR, PER_RANK, WD, ParityNet, global_batch, wrap
 
 WARMUP = 20  # steps after which nothing new may be allocated for good

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import tiny_zero
 from tiny_zero import comm
-from tiny_zero.memory import TensorMemory
+from tiny_zero.measure.memory import TensorMemory
 from parity_checks import PER_RANK, global_batch, wrap
 from example.model import build_model
 

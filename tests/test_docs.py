@@ -496,8 +496,8 @@ def held_elements(strategy, n):
     import torch.nn as nn
     from example.model import build_model
     from tiny_zero.buckets import make_buckets
-    from tiny_zero.fsdp.model import layer_units
-    from tiny_zero.partition import loads, owner_table
+    from tiny_zero.fsdp.wrapper import layer_units
+    from tiny_zero.zero3.wrapper import loads, owner_table
 
     model = build_model("gpt2", device="meta")
     named = list(model.named_parameters())
@@ -506,7 +506,7 @@ def held_elements(strategy, n):
     if strategy == "ddp":
         return [(psi, psi, psi)] * n
     if strategy in ("zero1", "zero2"):
-        wrapper = resolve(f"tiny_zero.{strategy}.model").__dict__[strategy.capitalize()]
+        wrapper = resolve(f"tiny_zero.{strategy}.wrapper").__dict__[strategy.capitalize()]
         bucket_bytes = inspect.signature(wrapper.__init__).parameters["bucket_bytes"].default
         padded = sum(b.numel for b in make_buckets(params[::-1], bucket_bytes, pad_to=n))
         grads = padded if strategy == "zero1" else padded // n

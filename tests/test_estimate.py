@@ -1,4 +1,4 @@
-"""tiny_zero.estimate against what the strategies really hold and send, and its CLI."""
+"""tiny_zero.measure.estimate against what the strategies really hold and send, and its CLI."""
 import re
 import subprocess
 import sys
@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT))
 from harness import run_world  # noqa: E402
 
 import tiny_zero  # noqa: E402
-from tiny_zero import estimate  # noqa: E402
+from tiny_zero.measure import estimate  # noqa: E402
 from example.model import build_model  # noqa: E402
 from estimate_checks import BUCKET_BYTES  # noqa: E402
 
@@ -102,7 +102,7 @@ def mib(text):
 
 
 def test_cli_gpt2_xl_zero3_on_64_ranks():
-    out = subprocess.run([sys.executable, "-m", "tiny_zero.estimate", "--model", "gpt2-xl", "--strategy", "zero3",
+    out = subprocess.run([sys.executable, "-m", "tiny_zero.measure.estimate", "--model", "gpt2-xl", "--strategy", "zero3",
                           "--world-size", "64"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     numel = int(re.search(r"Ψ = ([\d,]+) parameters", out.stdout).group(1).replace(",", ""))

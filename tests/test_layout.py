@@ -2,8 +2,8 @@
 tiny_zero/zero3` shows only what the strategy changes.
 
 Each of ddp, zero1, zero2, zero3 and fsdp has the same four files, the same
-public names per role (<Prefix>Linear/LayerNorm/Embedding and LAYER_CLASSES in
-module.py, the wrapper in model.py, <Prefix>AdamW in optim.py), and a
+public names per role (the <Prefix>Layer mixin and LAYER_CLASSES in
+layers.py, the wrapper in wrapper.py, <Prefix>AdamW in optim.py), and a
 docstring at the top of each file that says what the strategy holds and
 sends. Logic shared by strategies lives in one place, not in copies.
 """
@@ -20,12 +20,11 @@ sys.path.insert(0, str(ROOT))
 
 import tiny_zero  # noqa: E402
 from tiny_zero.module import Embedding, LayerNorm, Linear  # noqa: E402
-from tiny_zero.optim.strategy import StrategyAdamW  # noqa: E402
-from tiny_zero.wrapper import Wrapper  # noqa: E402
+from tiny_zero.strategy import StrategyAdamW, Wrapper  # noqa: E402
 
 NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
-FILES = {"__init__.py", "module.py", "model.py", "optim.py"}
-DOCUMENTED = ["module.py", "model.py", "optim.py"]  # the files a reader reads top to bottom
+FILES = {"__init__.py", "layers.py", "wrapper.py", "optim.py"}
+DOCUMENTED = ["layers.py", "wrapper.py", "optim.py"]  # the files a reader reads top to bottom
 
 
 def folder(name):
@@ -62,12 +61,12 @@ def test_same_files_in_every_folder(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_module_defines_the_three_layers_and_layer_classes(name):
-    names = top_level_names(folder(name) / "module.py")
-    expected = {prefix(name) + kind for kind in ("Linear", "LayerNorm", "Embedding")} | {"LAYER_CLASSES"}
-    assert expected <= names, f"tiny_zero/{name}/module.py lacks {sorted(expected - names)}"
+def test_layers_define_the_mixin_and_layer_classes(name):
+    names = top_level_names(folder(name) / "layers.py")
+    expected = {prefix(name) + "Layer", "LAYER_CLASSES"}
+    assert expected <= names, f"tiny_zero/{name}/layers.py lacks {sorted(expected - names)}"
 
-    module = __import__(f"tiny_zero.{name}.module", fromlist=["LAYER_CLASSES"])
+    module = __import__(f"tiny_zero.{name}.layers", fromlist=["LAYER_CLASSES"])
     bases = {nn.Linear: Linear, nn.LayerNorm: LayerNorm, nn.Embedding: Embedding}
     assert set(module.LAYER_CLASSES) == set(bases)
     for torch_class, cls in module.LAYER_CLASSES.items():
@@ -79,8 +78,8 @@ def test_module_defines_the_three_layers_and_layer_classes(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_model_and_optim_define_the_registered_classes(name):
     wrapper, optimizer = tiny_zero.STRATEGIES[name]
-    assert wrapper.__name__ in top_level_names(folder(name) / "model.py")
-    assert wrapper.__module__ == f"tiny_zero.{name}.model" and issubclass(wrapper, Wrapper)
+    assert wrapper.__name__ in top_level_names(folder(name) / "wrapper.py")
+    assert wrapper.__module__ == f"tiny_zero.{name}.wrapper" and issubclass(wrapper, Wrapper)
     assert optimizer.__name__ == prefix(name) + "AdamW"
     assert optimizer.__name__ in top_level_names(folder(name) / "optim.py")
     assert optimizer.__module__ == f"tiny_zero.{name}.optim" and issubclass(optimizer, StrategyAdamW)

@@ -4,7 +4,7 @@ import gc
 import torch
 import torch.nn as nn
 
-from tiny_zero.memory import TensorMemory
+from tiny_zero.measure.memory import TensorMemory
 
 
 def test_allocation_raises_current_and_peak_by_its_bytes():

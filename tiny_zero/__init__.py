@@ -1,5 +1,5 @@
 """tiny_zero: DDP, ZeRO-1/2/3 and FSDP in small, readable, tested Python."""
-from . import module, optim
+from . import checkpoint, module, optim
 from .ddp import DDP, DDPAdamW
 from .zero1 import Zero1, Zero1AdamW
 from .zero2 import Zero2, Zero2AdamW
@@ -16,11 +16,3 @@ STRATEGIES = {
     "fsdp": (FSDP, FSDPAdamW),
 }
 
-
-def __getattr__(name):
-    # tiny_zero.checkpoint is imported on first use, so that
-    # `python -m tiny_zero.checkpoint` does not find it imported already
-    if name == "checkpoint":
-        import importlib
-        return importlib.import_module(".checkpoint", __name__)
-    raise AttributeError(f"module 'tiny_zero' has no attribute {name!r}")

@@ -12,6 +12,8 @@ from collections import defaultdict
 
 import torch
 
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # every strategy's default bucket_bytes, as torch DDP's
+
 
 def round_up(n, multiple):
     return -(-n // multiple) * multiple

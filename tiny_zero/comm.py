@@ -78,9 +78,6 @@ class CommStats:
         self.elements[kind] += tensor.numel()
         self.bytes[kind] += tensor.numel() * tensor.element_size()
 
-    def total_elements(self):
-        return sum(self.elements.values())
-
 
 stats = CommStats()
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from . import comm
 from .buckets import make_buckets
-from .wrapper import Wrapper, flat_pieces
+from .strategy import Wrapper, flat_pieces
 
 
 class FlatShardWrapper(Wrapper):

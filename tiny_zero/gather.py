@@ -19,7 +19,7 @@ that arrives out of the recorded order is simply gathered on the spot.
 import torch
 
 from . import comm
-from .wrapper import StrategyLayer, Wrapper, expects_backward
+from .strategy import StrategyLayer, Wrapper, expects_backward
 
 
 class GatheredLayer(StrategyLayer):

@@ -5,10 +5,6 @@ model is built normally. So no rank ever allocates the whole model."""
 import torch
 
 
-def is_meta(module):
-    return any(p.is_meta for p in module.parameters())
-
-
 def full_value(module, name, param, device):
     """The full value of one parameter: its own data, or the model's init for a meta one."""
     if not param.is_meta:

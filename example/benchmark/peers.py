@@ -12,7 +12,7 @@ same seed, trains on the same batches with the same fp32 AdamW
 (torch.optim.AdamW inside DeepSpeed too), and records:
 
   memory  live tensor bytes per rank, counted (PeerMemory below, a
-          tiny_zero.memory.TensorMemory that also understands FSDP2's DTensors
+          tiny_zero.measure.memory.TensorMemory that also understands FSDP2's DTensors
           and resized storages) from before the model is built: everything a
           run allocates counts the same way. The peak is taken over the
           warm-up steps, from the first step on (so building the full model
@@ -68,11 +68,12 @@ from torch.nn.parallel import DistributedDataParallel
 import tiny_zero
 from example.data import ByteData, load_text
 from example.model import CONFIGS, build_model, count_parameters
+from tiny_zero.buckets import DEFAULT_BUCKET_BYTES
 from tiny_zero.distributed import init_distributed, local_device
-from tiny_zero.memory import TensorMemory
+from tiny_zero.measure.memory import TensorMemory
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)  # fp32, for every run
-BUCKET_BYTES = 25 * 2**20  # tiny_zero's default gradient bucket; DeepSpeed's are set to the same
+
 LOSS_REFERENCE = "torch_ddp"  # every run's losses are compared with this one's
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
@@ -137,7 +138,7 @@ def deepspeed_config(stage, hyper, batch_size, defaults):
     under 1e5 elements whole)."""
     zero = {"stage": stage}
     if not defaults:
-        elements = BUCKET_BYTES // 4  # fp32
+        elements = DEFAULT_BUCKET_BYTES // 4  # fp32
         zero.update(reduce_bucket_size=elements, allgather_bucket_size=elements)
         if stage == 3:
             zero.update(stage3_prefetch_bucket_size=elements, stage3_max_live_parameters=elements,

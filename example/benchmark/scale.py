@@ -12,10 +12,10 @@ built on the meta device; the wrapper materialises only this rank's part
 (zero3: the tensors it owns; fsdp: its 1/N slice of every layer).
 
 Printed, per world size:
-  - the zero3 partition (tiny_zero.partition.owner_table; nothing
+  - the zero3 partition (tiny_zero.zero3.wrapper.owner_table; nothing
     materialised): elements on the most and least loaded rank, and max/mean
   - one training step on the rank (a batch of one token: forward, backward,
-    grad clipping, AdamW step), counted by tiny_zero.memory.TensorMemory from
+    grad clipping, AdamW step), counted by tiny_zero.measure.memory.TensorMemory from
     before the wrap: after the step, the bytes of parameters, gradients and
     optimizer state (fp32), next to ZeRO's 16Ψ/N; and the peak during the
     step, which adds the layers gathered for use and prefetch. The values
@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 import tiny_zero
 from example.model import CONFIGS, build_model
-from tiny_zero.memory import TensorMemory
-from tiny_zero.partition import loads, owner_table
+from tiny_zero.measure.memory import TensorMemory
+from tiny_zero.zero3.wrapper import loads, owner_table
 
 MiB = 2**20
 STATE = ("parameters", "gradients", "optimizer_state")

@@ -1,5 +1,5 @@
 """DDP: every rank holds everything; grads are all-reduced in buckets during backward."""
-from .model import DDP
+from .wrapper import DDP
 from .optim import DDPAdamW
 
 __all__ = ["DDP", "DDPAdamW"]

@@ -1,7 +1,7 @@
 """DDPAdamW: every rank steps every parameter with the same averaged grads,
 so the replicas stay identical with no further communication."""
-from ..optim.strategy import StrategyAdamW
-from .model import DDP
+from ..strategy import StrategyAdamW
+from .wrapper import DDP
 
 
 class DDPAdamW(StrategyAdamW):

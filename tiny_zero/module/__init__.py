@@ -1,6 +1,6 @@
 """Custom autograd layers: the extension point of every strategy."""
 from .layers import CallbackLayer, Embedding, LayerFunction, LayerNorm, Linear
-from .swap import SUPPORTED, check_supported, swap_layers, torch_type
+from .swap import SUPPORTED, check_supported, layer_classes, swap_layers, torch_type
 
 __all__ = ["CallbackLayer", "Embedding", "LayerFunction", "LayerNorm", "Linear",
-           "SUPPORTED", "check_supported", "swap_layers", "torch_type"]
+           "SUPPORTED", "check_supported", "layer_classes", "swap_layers", "torch_type"]

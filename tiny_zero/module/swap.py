@@ -32,6 +32,15 @@ def check_supported(module):
                 f"parameters must live in {', '.join('nn.' + t.__name__ for t in SUPPORTED)}")
 
 
+def layer_classes(mixin):
+    """A strategy's layers: for each supported torch layer, the tiny_zero layer
+    with `mixin`'s callbacks in front (DDPLayer -> DDPLinear(DDPLayer, Linear), ...).
+    Returns {torch layer class: that class}, what swap_layers() takes."""
+    prefix = mixin.__name__.removesuffix("Layer")
+    return {base: type(prefix + layer.__name__, (mixin, layer), {"__module__": mixin.__module__})
+            for base, layer in DEFAULT_CLASSES.items()}
+
+
 def swap_layers(module, classes=None):
     """Convert every supported layer of `module` to classes[torch type], in place."""
     classes = classes or DEFAULT_CLASSES

@@ -1,5 +1,5 @@
 """ZeRO-1: the optimizer state is sharded; grads are reduce-scattered after backward."""
-from .model import Zero1
+from .wrapper import Zero1
 from .optim import Zero1AdamW
 
 __all__ = ["Zero1", "Zero1AdamW"]

@@ -1,8 +1,8 @@
 """Zero1AdamW: AdamW over this rank's 1/N chunks only (8 bytes of state per
 parameter, divided by N); after the step the wrapper all-gathers the
 updated parameters (FlatShardWrapper.after_step)."""
-from ..optim.strategy import StrategyAdamW
-from .model import Zero1
+from ..strategy import StrategyAdamW
+from .wrapper import Zero1
 
 
 class Zero1AdamW(StrategyAdamW):

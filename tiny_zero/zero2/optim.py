@@ -1,6 +1,6 @@
 """Zero2AdamW: the same as Zero1AdamW; only where the grads come from differs."""
-from ..optim.strategy import StrategyAdamW
-from .model import Zero2
+from ..strategy import StrategyAdamW
+from .wrapper import Zero2
 
 
 class Zero2AdamW(StrategyAdamW):

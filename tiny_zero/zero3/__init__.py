@@ -1,5 +1,5 @@
 """ZeRO-3 (inter-tensor): each whole tensor is owned by one rank and broadcast around its use."""
-from .model import Zero3
+from .wrapper import Zero3
 from .optim import Zero3AdamW
 
 __all__ = ["Zero3", "Zero3AdamW"]

@@ -1,7 +1,7 @@
 """Zero3AdamW: each rank steps only the tensors it owns. No all-gather
 follows: the next forward broadcasts them from their owners."""
-from ..optim.strategy import StrategyAdamW
-from .model import Zero3
+from ..strategy import StrategyAdamW
+from .wrapper import Zero3
 
 
 class Zero3AdamW(StrategyAdamW):

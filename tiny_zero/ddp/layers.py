@@ -4,10 +4,8 @@ all-reduced at once, asynchronously, while backward goes on.
 Every rank holds all parameters and all gradients. Collective here:
 all_reduce, one per bucket, launched from backward_callback.
 """
-import torch.nn as nn
-
-from ..module import Embedding, LayerNorm, Linear
-from ..wrapper import StrategyLayer
+from ..module import layer_classes
+from ..strategy import StrategyLayer
 
 
 class DDPLayer(StrategyLayer):
@@ -18,16 +16,4 @@ class DDPLayer(StrategyLayer):
             bucket.handle = ddp.send_bucket(bucket, bucket.range(ddp.flat_grads))  # STRATEGY: now; wait before step
 
 
-class DDPLinear(DDPLayer, Linear):
-    pass
-
-
-class DDPLayerNorm(DDPLayer, LayerNorm):
-    pass
-
-
-class DDPEmbedding(DDPLayer, Embedding):
-    pass
-
-
-LAYER_CLASSES = {nn.Linear: DDPLinear, nn.LayerNorm: DDPLayerNorm, nn.Embedding: DDPEmbedding}
+LAYER_CLASSES = layer_classes(DDPLayer)  # DDPLinear, DDPLayerNorm, DDPEmbedding

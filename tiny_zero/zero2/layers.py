@@ -6,10 +6,8 @@ BucketedGrads).
 Compare with ../zero1/module.py: the send moves into backward, and full
 gradients no longer outlive their bucket.
 """
-import torch.nn as nn
-
-from ..module import Embedding, LayerNorm, Linear
-from ..wrapper import StrategyLayer
+from ..module import layer_classes
+from ..strategy import StrategyLayer
 
 
 class Zero2Layer(StrategyLayer):
@@ -17,16 +15,4 @@ class Zero2Layer(StrategyLayer):
         self.wrapper.grads.add(param, grad)  # STRATEGY: a complete bucket is reduce-scattered now
 
 
-class Zero2Linear(Zero2Layer, Linear):
-    pass
-
-
-class Zero2LayerNorm(Zero2Layer, LayerNorm):
-    pass
-
-
-class Zero2Embedding(Zero2Layer, Embedding):
-    pass
-
-
-LAYER_CLASSES = {nn.Linear: Zero2Linear, nn.LayerNorm: Zero2LayerNorm, nn.Embedding: Zero2Embedding}
+LAYER_CLASSES = layer_classes(Zero2Layer)  # Zero2Linear, Zero2LayerNorm, Zero2Embedding

@@ -1,51 +1,12 @@
-"""Sharded checkpoints that reshard: save with any strategy and world size,
-load with any other.
+"""Sharded checkpoints: every rank writes its part; load reshards.
 
-    save(path, model, opt, step=..., extra={...})   every rank writes its part
-    load(path, model, opt) -> {"step": ..., "extra": {...}}
-    python -m tiny_zero.checkpoint consolidate PATH OUT.pt
-
-A checkpoint is a directory:
-
-    meta.pt                    rank 0: the model's parameters (name, shape,
-                               dtype), its state_dict keys (tied names
-                               included), which file holds which ranges, the
-                               step and `extra`
-    shard-00000-of-00002.pt    one per saving rank: the elements it held
-
-Every parameter is seen as a flat vector. A shard holds ranges [lo, hi) of
-parameters, each as three fp32 tensors keyed by (name, lo, hi): the value
-(the optimizer's fp32 master under mixed precision), exp_avg and exp_avg_sq,
-plus the optimizer's step count for the range and the loss scaler's state.
-model.pieces() says which ranges a rank holds, so saving is "write my
-pieces"; loading asks model.pieces() again, on the loading strategy and world
-size, and copies the overlapping slices out of the files that hold them. DDP
-holds everything on every rank: there rank r writes every N-th piece, and
-every rank loads everything.
-
-Reading: torch.load(mmap=True, weights_only=True), so only the pages a rank
-slices are read from disk, and nothing but tensors and plain containers is
-unpickled. Each saved tensor carries a CRC32 per block of 1 MiB, checked for
-the blocks a rank reads; meta.pt records each shard's size, so a truncated
-file is found before it is opened. Every rank reads and checks everything it
-needs before it changes anything, and all ranks agree on errors (one
-all_gather_object), so a bad checkpoint raises the same clear error on every
-rank and leaves the model as it was.
-
-Crash safety: save writes into `.NAME.saving` next to `path`, and rank 0
-renames it to `path` only after every file is written. An existing checkpoint
-is first renamed to `.NAME.old` and deleted last; a crash between the two
-renames leaves `.NAME.old`, which load then uses. A leftover `.NAME.saving`
-is never read, and the next save deletes it. All ranks must see the same
-filesystem (one node's disk, or a shared one).
+See the package docstring (tiny_zero/checkpoint/__init__.py) for the format.
 """
-import argparse
 import logging
 import math
 import os
 import re
 import shutil
-import sys
 import zlib
 from pathlib import Path
 
@@ -135,10 +96,8 @@ def _write_shard(saving, model, opt):
 
 
 def _meta(model, infos, step, extra):
-    from . import __version__
-
     return {
-        "format": FORMAT, "version": VERSION, "tiny_zero_version": __version__,
+        "format": FORMAT, "version": VERSION,
         "strategy": type(model).__name__, "world_size": model.world_size,
         "params": _params(model.module, infos),
         "state_dict": _state_dict_keys(model.module),
@@ -432,48 +391,3 @@ def _agree(context, error, payload=None):
         raise CheckpointError(f"{context}: " + "; ".join(
             f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {e}" for e, r in ranks_of.items()))
     return [p for _, p in gathered]
-
-
-# ---------------------------------------------------------- consolidate
-
-def consolidate(path):
-    """The full fp32 state_dict of the unwrapped module (keys as its
-    state_dict(), tied names included), from a checkpoint; no torch.distributed."""
-    return _consolidate(Path(path))[0]
-
-
-def _consolidate(path):
-    try:
-        directory = _find(path)
-        meta = _read_meta(directory)
-        shards = ShardReader(directory, meta)
-        full = {}
-        for p in meta["params"]:
-            values, _ = shards.read(p["name"], 0, math.prod(p["shape"]), kinds=("param",))
-            full[p["name"]] = values["param"].view(p["shape"])
-    except CheckpointError as e:
-        raise CheckpointError(f"cannot consolidate checkpoint {path}: {e}") from None
-    state = {key: full[name] if name is not None else meta["buffers"][key] for key, name in meta["state_dict"]}
-    return state, meta
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m tiny_zero.checkpoint",
-                                     description="Tools for tiny_zero's sharded checkpoints.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    c = commands.add_parser("consolidate", help="write a plain fp32 state_dict of the unwrapped model")
-    c.add_argument("path", help="a checkpoint directory written by tiny_zero.checkpoint.save")
-    c.add_argument("out", help="the .pt file to write; load it with module.load_state_dict(torch.load(OUT))")
-    args = parser.parse_args(argv)
-    try:
-        state, meta = _consolidate(Path(args.path))
-    except CheckpointError as e:
-        sys.exit(f"error: {e}")
-    torch.save(state, args.out)
-    numel = sum(math.prod(p["shape"]) for p in meta["params"])
-    print(f"{args.out}: {len(state)} tensors, {numel:,} parameters in fp32, step {meta['step']} "
-          f"({meta['strategy']} on {meta['world_size']} ranks)")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """ZeRO-3, inter-tensor: each whole parameter tensor is owned by one rank.
 
-A rank holds: the tensors it owns (../partition.py: largest first, each to
+A rank holds: the tensors it owns (owner_table below: largest first, each to
 the least-loaded rank, the same table on every rank), their grads and their
 optimizer state; other parameters are empty except while a layer uses them.
 Collectives: broadcast from the owner before each layer's forward and again
@@ -11,18 +11,17 @@ own tensors: nothing is gathered after the step.
 import torch
 
 from .. import comm
-from ..buckets import BucketedGrads, buckets_from_runs
+from ..buckets import DEFAULT_BUCKET_BYTES, BucketedGrads, buckets_from_runs
 from ..materialize import full_value, set_data
-from ..partition import owner_table
 from ..gather import GatheredWrapper, Prefetcher
-from ..wrapper import Piece
-from .module import LAYER_CLASSES, Broadcasts
+from ..strategy import Piece
+from .layers import LAYER_CLASSES, Broadcasts
 
 
 class Zero3(GatheredWrapper):
     layer_classes = LAYER_CLASSES
 
-    def __init__(self, module, bucket_bytes=25 * 2**20, **options):
+    def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         shapes = [(n, p.numel()) for n, p in self.named_params]
         table = owner_table(shapes, self.world_size)  # STRATEGY: from names and sizes alone, alike on every rank
@@ -97,3 +96,22 @@ def owner_buckets(params, owner, bucket_bytes):
     for b in buckets:
         b.owner = owner[b.params[0]]
     return buckets
+
+
+def owner_table(named_shapes, world_size):
+    """{name: rank} for [(name, numel), ...], balanced by numel."""
+    load = [0] * world_size
+    owner = {}
+    for name, numel in sorted(named_shapes, key=lambda item: (-item[1], item[0])):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[name] = rank
+        load[rank] += numel
+    return owner
+
+
+def loads(owner, named_shapes, world_size):
+    """Elements owned by each rank."""
+    load = [0] * world_size
+    for name, numel in named_shapes:
+        load[owner[name]] += numel
+    return load

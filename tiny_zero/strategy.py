@@ -18,6 +18,7 @@ Under mixed precision the parameters are bf16/fp16, the grads are reduced in
 `reduce_dtype` (the parameter dtype unless asked otherwise), and the
 optimizer keeps the fp32 masters (master() finds them).
 """
+import logging
 from collections import namedtuple
 from contextlib import contextmanager
 
@@ -27,7 +28,10 @@ import torch.nn as nn
 from . import comm
 from .distributed import init_distributed, local_device
 from .module import CallbackLayer, check_supported, swap_layers
+from .optim import AdamW
 from .precision import LossScaler, param_dtype
+
+log = logging.getLogger("tiny_zero")
 
 
 # Elements [lo, hi) of parameter `name` (flattened, full shape `shape`) are
@@ -217,3 +221,43 @@ def check_same_model_on_all_ranks(module):
                          f"{len(mine)} vs {len(theirs)} parameters")
             raise RuntimeError(f"the model differs across ranks (this rank vs rank {rank}): {first}")
 
+
+class StrategyAdamW(AdamW):
+    wrapper = None  # the wrapper class this optimizer belongs to, set by each strategy
+
+    def __init__(self, model, **hyper):
+        if not isinstance(model, self.wrapper):
+            raise TypeError(f"{type(self).__name__} steps a {self.wrapper.__name__}-wrapped model, "
+                            f"got {type(model).__name__}: use the optimizer of the model's strategy "
+                            "(tiny_zero.STRATEGIES[name])")
+        self.model = model
+        super().__init__([{"params": model.optimizer_params()}], **hyper)
+        model.optimizer = self  # the wrapper reads the fp32 masters from here
+        self.skipped_steps = 0
+
+    @property
+    def loss_scale(self):
+        return self.model.loss_scale()
+
+    def grad_of(self, param):
+        return self.model.grads_of.get(param)
+
+    def step(self):
+        model = self.model
+        model.finish_grad_sync()
+        overflow = model.found_overflow()
+        if model.loss_scaler is not None:
+            model.loss_scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1  # every rank skips: the params stay as they are
+            if model.rank == 0:
+                log.warning("fp16 gradient overflow: step skipped (%d so far), loss scale now %g",
+                            self.skipped_steps, model.loss_scale())
+        else:
+            self.grad_scale = model.grad_scale()  # 1/loss scale x clip coefficient
+            super().step()
+            model.after_step()
+        model.clip_coef = 1.0
+
+    def zero_grad(self):
+        self.model.zero_grads()

@@ -1,6 +1,6 @@
 """Model-state memory and communication per rank, without allocating the model.
 
-    python -m tiny_zero.estimate --model gpt2-xl --strategy zero3 --world-size 64 [--mixed-precision bf16]
+    python -m tiny_zero.measure.estimate --model gpt2-xl --strategy zero3 --world-size 64 [--mixed-precision bf16]
 
 Two estimates, side by side. The ZeRO formula (Rajbhandari et al., 2020), for
 Ψ parameters on N ranks, P bytes per parameter and per gradient (4 in fp32,
@@ -18,7 +18,7 @@ table (whole tensors, so ranks differ: the mean and the most-loaded rank,
 which holds at least the largest tensor), fsdp's per-layer units padded to N; plus 4 bytes of step count per
 optimizer tensor. This is what a rank holds after a step, before
 zero_grad(): activations, buckets in flight and gathered parameters come on
-top (tiny_zero.memory measures those).
+top (tiny_zero.measure.memory measures those).
 
 Communication per step is the collectives each strategy issues, by size (the
 whole buffer, as tiny_zero.comm counts them), for a model whose every layer
@@ -33,15 +33,14 @@ import sys
 
 import torch
 
-from .buckets import make_buckets
-from .fsdp.model import layer_units
-from .module import torch_type
-from .partition import loads, owner_table
-from .precision import param_dtype
+from ..buckets import DEFAULT_BUCKET_BYTES, make_buckets
+from ..fsdp.wrapper import layer_units
+from ..module import torch_type
+from ..zero3.wrapper import loads, owner_table
+from ..precision import param_dtype
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # the wrappers' default bucket_bytes
-CATEGORIES = ("parameters", "gradients", "optimizer_state")  # model state, as tiny_zero.memory names it
+CATEGORIES = ("parameters", "gradients", "optimizer_state")  # model state, as tiny_zero.measure.memory names it
 STEP_BYTES = 4  # AdamW's step count: an fp32 scalar per optimizer tensor
 
 
@@ -217,7 +216,7 @@ def build_meta(name):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tiny_zero.estimate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tiny_zero.measure.estimate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2", help="a config name of example/model.py (default: gpt2)")
     p.add_argument("--strategy", choices=STRATEGIES, nargs="+", default=list(STRATEGIES),
                    help="one or more (default: all)")

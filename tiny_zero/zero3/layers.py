@@ -7,11 +7,9 @@ frees every parameter it does not own. Grads go into per-owner buckets and a
 complete bucket is reduced to its owner at once, during backward (model.py).
 """
 import torch
-import torch.nn as nn
-
 from .. import comm
 from ..gather import GatheredLayer
-from ..module import Embedding, LayerNorm, Linear
+from ..module import layer_classes
 
 
 class Broadcasts:
@@ -42,16 +40,4 @@ class Zero3Layer(GatheredLayer):
     pass  # gather (Broadcasts), compute, release: ../gather.py
 
 
-class Zero3Linear(Zero3Layer, Linear):
-    pass
-
-
-class Zero3LayerNorm(Zero3Layer, LayerNorm):
-    pass
-
-
-class Zero3Embedding(Zero3Layer, Embedding):
-    pass
-
-
-LAYER_CLASSES = {nn.Linear: Zero3Linear, nn.LayerNorm: Zero3LayerNorm, nn.Embedding: Zero3Embedding}
+LAYER_CLASSES = layer_classes(Zero3Layer)  # Zero3Linear, Zero3LayerNorm, Zero3Embedding

@@ -13,15 +13,15 @@ complete (module.py); after the step, one all_gather per bucket
 import torch
 
 from .. import comm
-from ..buckets import BucketedGrads
+from ..buckets import DEFAULT_BUCKET_BYTES, BucketedGrads
 from ..flat_shards import FlatShardWrapper
-from .module import LAYER_CLASSES
+from .layers import LAYER_CLASSES
 
 
 class Zero2(FlatShardWrapper):
     layer_classes = LAYER_CLASSES
 
-    def __init__(self, module, bucket_bytes=25 * 2**20, **options):
+    def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         super().__init__(module, bucket_bytes, **options)
         n = self.world_size
         self.grad_shard = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)

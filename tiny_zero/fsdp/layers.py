@@ -9,11 +9,9 @@ unit's grads go into one buffer that is reduce-scattered, during backward, as
 soon as every parameter in it has its final grad.
 """
 import torch
-import torch.nn as nn
-
 from .. import comm
 from ..gather import GatheredLayer
-from ..module import Embedding, LayerNorm, Linear
+from ..module import layer_classes
 
 
 class AllGathers:
@@ -43,16 +41,4 @@ class FSDPLayer(GatheredLayer):
     pass  # gather (AllGathers), compute, release: ../gather.py
 
 
-class FSDPLinear(FSDPLayer, Linear):
-    pass
-
-
-class FSDPLayerNorm(FSDPLayer, LayerNorm):
-    pass
-
-
-class FSDPEmbedding(FSDPLayer, Embedding):
-    pass
-
-
-LAYER_CLASSES = {nn.Linear: FSDPLinear, nn.LayerNorm: FSDPLayerNorm, nn.Embedding: FSDPEmbedding}
+LAYER_CLASSES = layer_classes(FSDPLayer)  # FSDPLinear, FSDPLayerNorm, FSDPEmbedding

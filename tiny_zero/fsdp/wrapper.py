@@ -17,8 +17,8 @@ from ..buckets import BucketedGrads, buckets_from_runs
 from ..materialize import full_value, set_data
 from ..module import CallbackLayer
 from ..gather import GatheredWrapper, Prefetcher
-from ..wrapper import flat_pieces
-from .module import LAYER_CLASSES, AllGathers
+from ..strategy import flat_pieces
+from .layers import LAYER_CLASSES, AllGathers
 
 
 class FSDP(GatheredWrapper):

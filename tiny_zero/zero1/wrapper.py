@@ -12,14 +12,15 @@ brings the updated parameters back.
 import torch
 
 from .. import comm
+from ..buckets import DEFAULT_BUCKET_BYTES
 from ..flat_shards import FlatShardWrapper
-from .module import LAYER_CLASSES
+from .layers import LAYER_CLASSES
 
 
 class Zero1(FlatShardWrapper):
     layer_classes = LAYER_CLASSES
 
-    def __init__(self, module, bucket_bytes=25 * 2**20, **options):
+    def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         super().__init__(module, bucket_bytes, **options)
         # full grads, laid out as flat_params
         self.flat_grads = torch.zeros(self.flat_params.numel(), dtype=self.reduce_dtype, device=self.device)

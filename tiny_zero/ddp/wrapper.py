@@ -9,16 +9,16 @@ the sum into the mean, come just before the optimizer step.
 import torch
 
 from .. import comm
-from ..buckets import BucketQueue, make_buckets
-from ..wrapper import Piece, Wrapper
-from .module import LAYER_CLASSES
+from ..buckets import DEFAULT_BUCKET_BYTES, BucketQueue, make_buckets
+from ..strategy import Piece, Wrapper
+from .layers import LAYER_CLASSES
 
 
 class DDP(Wrapper):
     layer_classes = LAYER_CLASSES
     grads_sharded = False
 
-    def __init__(self, module, bucket_bytes=25 * 2**20, **options):
+    def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         self.module.to(self.device)
         params = [p for _, p in self.named_params]

@@ -1,0 +1,4 @@
+"""python -m tiny_zero.checkpoint consolidate PATH OUT.pt"""
+from .consolidate import main
+
+main()
