@@ -160,3 +160,57 @@ def test_unsupported_layer_is_named():
     model = nn.Sequential(nn.Linear(3, 3), nn.Conv1d(1, 1, 2))
     with pytest.raises(TypeError, match=r"'1' \(Conv1d\).*nn.Linear, nn.LayerNorm, nn.Embedding"):
         swap_layers(model)
+
+
+class Small(nn.Module):
+    """Embedding -> LayerNorm -> Linear -> Linear, as a transformer's pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.ln = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 6)
+        self.out = nn.Linear(6, 3, bias=False)
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.fc(self.ln(self.emb(idx)))))
+
+
+def test_frozen_parameters_get_no_grad():
+    """A frozen weight gets no grad (it is never computed); the rest are unchanged."""
+    torch.manual_seed(0)
+    ref = Small()
+    for p in (ref.emb.weight, ref.fc.weight, ref.ln.bias):
+        p.requires_grad_(False)
+    mine = swap_layers(copy.deepcopy(ref))
+    idx = torch.randint(0, 11, (3, 4))
+    for model in (ref, mine):
+        model(idx).square().sum().backward()
+    for (name, r), m in zip(ref.named_parameters(), mine.parameters()):
+        assert (m.grad is None) == (r.grad is None), name
+        if r.grad is not None:
+            torch.testing.assert_close(m.grad, r.grad, atol=1e-6, rtol=1e-6, msg=name)
+    assert mine.fc.weight.grad is None and mine.fc.bias.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_follows_torch(dtype):
+    """Under torch.autocast the layers compute in the dtypes torch's would, and
+    backward runs (it used to fail with mismatched matmul dtypes)."""
+    torch.manual_seed(0)
+    ref = Small()
+    mine = swap_layers(copy.deepcopy(ref))
+    idx = torch.randint(0, 11, (3, 4))
+    outs = []
+    for model in (ref, mine):
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(idx)
+            assert model.ln(model.emb(idx)).dtype == torch.float32  # layer_norm runs in fp32 under autocast
+        out.float().square().sum().backward()
+        outs.append(out)
+    assert outs[1].dtype == outs[0].dtype == dtype
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=2e-2, rtol=2e-2)
+    for (name, r), m in zip(ref.named_parameters(), mine.parameters()):
+        assert m.grad.dtype == r.grad.dtype == torch.float32, name
+        torch.testing.assert_close(m.grad, r.grad, atol=3e-2, rtol=3e-2, msg=name)
+

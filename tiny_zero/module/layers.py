@@ -14,6 +14,8 @@ Function only so that autograd knows the output needs a backward; their grads
 are delivered by accumulate_grad, never by autograd, so a strategy decides
 where a gradient lives.
 """
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
 
@@ -23,17 +25,22 @@ class LayerFunction(torch.autograd.Function):
     def forward(ctx, layer, x, *params):
         ctx.layer = layer
         ctx.num_params = len(params)
+        # torch.autocast: backward runs under the autocast state of its forward
+        # (as torch.amp.custom_bwd does), so both compute in the same dtypes
+        device = x.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         return layer.forward_callback(ctx, x)
 
     @staticmethod
     def backward(ctx, grad_out):
-        # Unpack the saved tensors first, once. Under activation checkpointing
-        # this is what recomputes the block, whose forward callbacks gather and
-        # free parameters on their own: that must end before this layer's
-        # backward_callback gathers its own.
-        ctx.saved = ctx.saved_tensors
-        grad_in = ctx.layer.backward_callback(ctx, grad_out)
-        ctx.saved = None  # free the activations now, not when the whole graph goes
+        with torch.autocast(*ctx.autocast) if ctx.autocast else nullcontext():
+            # Unpack the saved tensors first, once. Under activation checkpointing
+            # this is what recomputes the block, whose forward callbacks gather and
+            # free parameters on their own: that must end before this layer's
+            # backward_callback gathers its own.
+            ctx.saved = ctx.saved_tensors
+            grad_in = ctx.layer.backward_callback(ctx, grad_out)
+            ctx.saved = None  # free the activations now, not when the whole graph goes
         return (None, grad_in) + (None,) * ctx.num_params
 
 
@@ -41,6 +48,9 @@ class CallbackLayer:
     """The part every custom layer shares: the autograd plumbing and the
     default gradient sink. Mixed into Linear, LayerNorm and Embedding below."""
 
+    # torch.compile runs tiny_zero layers eagerly, as calls between its graphs:
+    # their callbacks hold Python state (buckets, gathers) that a graph cannot
+    @torch.compiler.disable
     def forward(self, x):
         return LayerFunction.apply(self, x, *self.autograd_params())
 
@@ -49,9 +59,8 @@ class CallbackLayer:
         return [p for p in self.parameters(recurse=False) if p.requires_grad]
 
     def accumulate_grad(self, param, grad):
-        """Default sink: add into param.grad, as autograd would."""
-        if not param.requires_grad:
-            return
+        """Default sink: add into param.grad, as autograd would. Called only
+        for parameters that require grad (a frozen one's grad is never computed)."""
         grad = grad.to(param.dtype)
         if param.grad is None:
             param.grad = grad.contiguous()
@@ -77,10 +86,16 @@ class Linear(CallbackLayer, nn.Linear):
         (x,) = ctx.saved
         grad_x = grad_out @ self.weight if ctx.needs_input_grad[1] else None  # dx = dy W
         dy = _rows(grad_out, self.out_features)
-        self.accumulate_grad(self.weight, dy.t() @ _rows(x, self.in_features))  # dW = dyᵀ x
-        if self.bias is not None:
+        if self.weight.requires_grad:
+            self.accumulate_grad(self.weight, dy.t() @ _rows(x, self.in_features))  # dW = dyᵀ x
+        if trains(self.bias):
             self.accumulate_grad(self.bias, dy.sum(0))  # db = Σ dy
         return grad_x
+
+
+def trains(param):
+    """A parameter that exists and requires grad: only those get a grad computed."""
+    return param is not None and param.requires_grad
 
 
 def _stats_dtype(x):
@@ -103,7 +118,7 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
             y = y * self.weight.to(y.dtype)  # y = x̂ γ + β
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype)
+        return y if ctx.autocast else y.to(x.dtype)  # autocast runs layer_norm in fp32, output too
 
     def backward_callback(self, ctx, grad_out):
         x, mean, rstd = ctx.saved
@@ -111,9 +126,9 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
         width = self.weight.numel() if self.weight is not None else None
         xhat = (x.to(mean.dtype) - mean) * rstd
         dy = grad_out.to(mean.dtype)
-        if self.weight is not None:
+        if trains(self.weight):
             self.accumulate_grad(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))  # dγ = Σ dy x̂
-        if self.bias is not None:
+        if trains(self.bias):
             self.accumulate_grad(self.bias, _rows(dy, width).sum(0).view_as(self.bias))  # dβ = Σ dy
         if not ctx.needs_input_grad[1]:
             return None
@@ -132,6 +147,8 @@ class Embedding(CallbackLayer, nn.Embedding):
         return self.weight[idx]  # a row lookup
 
     def backward_callback(self, ctx, grad_out):
+        if not self.weight.requires_grad:
+            return None
         (idx,) = ctx.saved
         grad_w = torch.zeros(self.weight.shape, dtype=grad_out.dtype, device=grad_out.device)
         grad_w.index_add_(0, idx.reshape(-1), _rows(grad_out, self.embedding_dim))  # scatter-add rows
