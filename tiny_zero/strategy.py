@@ -196,6 +196,22 @@ class Wrapper(nn.Module):
         comm.all_reduce(bad)
         return bad.item() > 0
 
+    @torch.no_grad()
+    def load_pieces(self, read):
+        """Set every parameter this rank holds from read(piece): the fp32 values
+        of elements [piece.lo, piece.hi) of parameter piece.name, flattened (a
+        1-D tensor of piece.hi - piece.lo elements). Call it on every rank; each
+        rank reads only what it holds. Checkpoints and pretrained weights load
+        through it."""
+        for piece in self.pieces():
+            place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
+            values = read(piece)
+            piece.tensor.detach().view(-1)[place].copy_(values)
+            state = self.optimizer.state.get(piece.tensor, {}) if self.optimizer is not None else {}
+            if "master" in state:
+                state["master"].view(-1)[place].copy_(values)
+        self.after_step()  # zero1/zero2: every rank's chunks into everyone's full parameters
+
     def full_state_dict(self):
         """Full fp32 values (the masters), keys as module.state_dict(), on every rank."""
         full = self.gather_full()
