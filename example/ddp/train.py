@@ -1,4 +1,4 @@
-"""Train the example GPT with DDP (every rank holds everything).
+"""Train the example GPT with DDP (every rank holds everything; grads all-reduced).
 
 Run with python (one process) or torchrun --nproc_per_node N; flags: --help.
 """
@@ -14,10 +14,22 @@ from tiny_zero.ddp import DDP, DDPAdamW
 def main():
     args = common.parse_args(__doc__)
     data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
-    with common.memory_tracker(args) as memory:
+    with common.Run(args, data) as run:
         model = DDP(common.build_model(args), **common.strategy_options(args))
-        opt = DDPAdamW(model, lr=args.lr, weight_decay=args.weight_decay)
-        common.train(model, opt, data, args, memory)
+        opt = DDPAdamW(model, common.param_groups(model.module, args), lr=args.lr)
+        sched = common.schedule(opt, args)
+        for step in run.steps(model, opt, sched):
+            x, y = run.batch(step)
+            loss = model(x, y)
+            if run.skip(loss, step):
+                continue
+            loss.backward()
+            model.clip_grad_norm_(common.MAX_GRAD_NORM)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            run.log(step, loss)
+        run.finish()
 
 
 if __name__ == "__main__":

@@ -32,12 +32,13 @@ def check_supported(module):
                 f"parameters must live in {', '.join('nn.' + t.__name__ for t in SUPPORTED)}")
 
 
-def layer_classes(mixin):
+def layer_classes(*mixins):
     """A strategy's layers: for each supported torch layer, the tiny_zero layer
-    with `mixin`'s callbacks in front (DDPLayer -> DDPLinear(DDPLayer, Linear), ...).
-    Returns {torch layer class: that class}, what swap_layers() takes."""
-    prefix = mixin.__name__.removesuffix("Layer")
-    return {base: type(prefix + layer.__name__, (mixin, layer), {"__module__": mixin.__module__})
+    with the mixins' callbacks in front (DDPLayer -> DDPLinear(..., DDPLayer, Linear)),
+    named after the last mixin. Returns {torch layer class: that class}, what
+    swap_layers() takes."""
+    prefix = mixins[-1].__name__.removesuffix("Layer")
+    return {base: type(prefix + layer.__name__, (*mixins, layer), {"__module__": mixins[-1].__module__})
             for base, layer in DEFAULT_CLASSES.items()}
 
 
