@@ -108,6 +108,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         # data parallelism: this rank's index among the ranks that hold the same
         # parameters (all of them here; a pipeline stage's or a tensor slice's replicas)
         self.replica, self.replicas = self.rank, self.world_size
+        self.replica_group = None  # the process group of those ranks (None: the world)
         self.device = torch.device(device) if device is not None else local_device()
         check_same_model_on_all_ranks(module)
         comm.open_side_channel()
@@ -202,7 +203,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             view = bucket.view(flat, p)
             view.copy_(self.value(name_of[p], p))
             set_data(p, view)
-        comm.broadcast(flat, src=0)
+        self.broadcast_from_first_replica(flat)
         return flat
 
     def keep_whole(self, params):
@@ -211,8 +212,13 @@ class Wrapper(WrapperStateDicts, nn.Module):
         name_of = self.param_names()
         for p in params:
             value = self.value(name_of[p], p)
-            comm.broadcast(value, src=0)
+            self.broadcast_from_first_replica(value)
             set_data(p, value)
+
+    def broadcast_from_first_replica(self, tensor):
+        """Every replica takes the first one's values (replicas are consecutive
+        ranks; here the world, whose first is rank 0): all start alike."""
+        comm.broadcast(tensor, src=self.rank - self.replica, group=self.replica_group)
 
     def reduce_target(self, dest):
         """Where a collective should write the sum for `dest` (part of
@@ -412,7 +418,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
             if p.grad is not self.shown_grad(p):
                 self.take_assigned_grad(name, p)
             stepping.append(p)
-        comm.agree("the optimizer step", step=self.steps, parameters=parameter_hash(self.param_names(), stepping))
+        comm.agree("the optimizer step", group=self.replica_group, step=self.steps,
+                   parameters=parameter_hash(self.param_names(), stepping))
         return stepping
 
     def take_assigned_grad(self, name, p):
@@ -435,14 +442,20 @@ class Wrapper(WrapperStateDicts, nn.Module):
         coefficient is applied inside the optimizer's kernel, with the loss
         scale, in the pass that reads the grads."""
         comm.where = "clip_grad_norm_"
-        square_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in self.grads.values():
-            square_sum += g.float().square().sum()
+        square_sum = self.grad_square_sum()
         if not self.grads_replicated:
             comm.all_reduce(square_sum)  # each rank holds a disjoint part
         total_norm = square_sum.sqrt() / self.loss_scale
         self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()
         return total_norm
+
+    def grad_square_sum(self):
+        """This rank's part of the squared global norm: its averaged grads (each
+        rank holds a disjoint part, or, grads_replicated, all of them)."""
+        square_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in self.grads.values():
+            square_sum += g.float().square().sum()
+        return square_sum
 
     @property
     def loss_scale(self):
