@@ -33,11 +33,13 @@ import tiny_zero
 from tiny_zero import comm
 from tiny_zero.measure import estimate
 from tiny_zero.measure.memory import TensorMemory
+from tiny_zero.pipeline import Pipeline
 
 MAX_GRAD_NORM = 1.0
 
 
-def parse_args(description=None, argv=None):
+def parse_args(description=None, argv=None, add_flags=None):
+    """The flags every example takes; add_flags(parser) adds a script's own."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", choices=list(CONFIGS), help="model size (default: small)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
@@ -62,6 +64,8 @@ def parse_args(description=None, argv=None):
     p.add_argument("--resume", action="store_true", help="continue from --save-dir if it holds a checkpoint")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip (and count) a step whose loss is inf/nan instead of stopping with an error")
+    if add_flags is not None:
+        add_flags(p)
     args = p.parse_args(argv)
     if (args.save_every or args.resume) and not args.save_dir:
         p.error("--save-every and --resume need --save-dir")
@@ -166,6 +170,8 @@ class Run:
         optimizer are the run's from here on)."""
         self.model, self.opt, self.sched = model, opt, sched
         self.rank, self.world_size = getattr(model, "rank", 0), getattr(model, "world_size", 1)
+        # the ranks that take rows of the batch: every rank, but a pipeline's replicas
+        self.replica, self.replicas = getattr(model, "replica", self.rank), getattr(model, "replicas", self.world_size)
         self.device = getattr(model, "device", None) or next(model.parameters()).device
         first = self.resume()
         self.reset_peak()
@@ -179,13 +185,13 @@ class Run:
 
     def batch(self, step, split="train"):
         args = self.args
-        x, y = self.data.get_batch(split, args.batch_size, step, args.seed, self.rank, self.world_size)
+        x, y = self.data.get_batch(split, args.batch_size, step, args.seed, self.replica, self.replicas)
         return x.to(self.device), y.to(self.device)
 
     def skip(self, loss, step):
         """A loss that is not finite on some rank (one all-reduce, so every rank
         agrees): skipped and counted with --skip-nonfinite, else the run stops."""
-        bad = (~torch.isfinite(loss.detach())).float()
+        bad = (~torch.isfinite(torch.as_tensor(loss, device=self.device).detach())).float()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad)
         if bad.item() == 0:
@@ -197,10 +203,10 @@ class Run:
         return True
 
     def log(self, step, loss):
-        mean_loss = average_over_ranks(loss.detach())
+        mean_loss = loss if isinstance(loss, float) else average_over_ranks(loss.detach())  # a float: the mean already
         now = time.perf_counter()
         if self.rank == 0:
-            tokens = self.args.batch_size * self.args.seq_len * self.world_size
+            tokens = self.args.batch_size * self.args.seq_len * self.replicas
             self.bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens / (now - self.last):,.0f}")
             tqdm.write(f"step {step} loss {mean_loss:.8f}")
         self.last = now
@@ -255,7 +261,7 @@ class Run:
         peak = self.peak_memory()
         if rank == 0:
             if args.steps > self.first:
-                tokens = args.batch_size * args.seq_len * self.world_size * (args.steps - self.first)
+                tokens = args.batch_size * args.seq_len * self.replicas * (args.steps - self.first)
                 print(f"trained {args.steps - self.first} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s)")
             print(f"val loss {val_loss:.6f}")
             print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {self.peak_memory_kind()})")
@@ -266,7 +272,8 @@ class Run:
         if self.args.eval_batches == 0:
             return math.nan
         self.model.eval()
-        total = sum(self.model(*self.batch(i, "val")).float().item() for i in range(self.args.eval_batches))
+        loss_of = getattr(self.model, "eval_step", self.model)  # a pipeline's: the mean over its micro-batches
+        total = sum(float(loss_of(*self.batch(i, "val"))) for i in range(self.args.eval_batches))
         self.model.train()
         return average_over_ranks(torch.tensor(total / self.args.eval_batches, device=self.device))
 
@@ -315,7 +322,7 @@ class Accounting:
     def __init__(self, model, opt, memory, args):
         self.model, self.memory, self.args = model, memory, args
         self.strategy = next((name for name, (wrapper, _) in tiny_zero.STRATEGIES.items()
-                             if isinstance(model, wrapper)), "single")
+                             if isinstance(model, wrapper)), "pipeline" if isinstance(model, Pipeline) else "single")
         if memory is not None:
             memory.attach(model, opt)  # from now on the breakdown is taken at each new peak
         self.sent = dict(comm.stats.elements)
@@ -334,7 +341,10 @@ class Accounting:
         with torch.device("meta"):  # the model as built, for Ψ and the estimator: nothing allocated
             module = build_model(self.args)
         numel = sum(p.numel() for p in module.parameters())
-        lines = self.memory_lines(module, numel, precision, n) + self.comm_lines(module, numel, precision, n)
+        if self.strategy == "pipeline":
+            lines = self.stage_lines(numel, n)
+        else:
+            lines = self.memory_lines(module, numel, precision, n) + self.comm_lines(module, numel, precision, n)
         if rank == 0:
             print("\n".join(line.rstrip() for line in lines))
 
@@ -375,6 +385,24 @@ class Accounting:
         lines.append(row.format("total", fmt(peak), "", "", "live tensor bytes, tiny_zero.measure.memory"))
         lines.append("  (tiny_zero: what its partition holds after a step, with padding and owner table. The "
                      "peak comes in backward, when some grads are not made yet or sit in buckets: comm buffers)")
+        return lines
+
+    def stage_lines(self, numel, n):
+        """A pipeline's report, stage by stage (the first replica of each):
+        the peak memory by category, measured, and what the stage sent per
+        training step. ZeRO's formulas are for data parallelism: none here."""
+        memory, fmt = self.memory, estimate.fmt_bytes
+        sent = {kind: count / max(self.steps, 1) for kind, count in self.sent.items()}
+        mine = (self.model.stage, memory.peak if memory is not None else torch.cuda.max_memory_allocated(),
+                memory.peak_breakdown if memory is not None else None, sent)
+        everyone = [mine] * n
+        if n > 1:
+            dist.all_gather_object(everyone, mine)  # plain torch.distributed: not counted in comm.stats
+        lines = [f"memory at the peak and communication per training step, by stage, Ψ = {numel:,}"]
+        for stage, peak, breakdown, kinds in everyone[::self.model.replicas]:
+            held = ", ".join(f"{LABELS[c]} {fmt(v)}" for c, v in breakdown.items()) if breakdown else "on CUDA"
+            moved = ", ".join(f"{kind} {count:,.0f}" for kind, count in kinds.items()) or "nothing"
+            lines.append(f"  stage {stage}: peak {fmt(peak)} ({held}); sent {moved} elements")
         return lines
 
     def comm_lines(self, module, numel, precision, n):
