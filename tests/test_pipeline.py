@@ -197,3 +197,16 @@ def test_the_example_gpt_as_a_sequential_is_the_gpt():
     other.load_state_dict(gpt.state_dict())
     gpt.load_state_dict(other.state_dict())
     assert all(torch.equal(v, seq.state_dict()[k]) for k, v in other.state_dict().items())
+
+
+def test_the_example_prints_the_single_device_losses():
+    """torchrun --nproc_per_node 2 example/pipeline/train.py: two stages, the
+    batch of one device, its losses (rtol 1e-5), GPipe and 1F1B alike."""
+    from test_examples import TINY, losses, run_in_process, torchrun
+
+    single = losses(run_in_process("single_device", *TINY, "--steps", "4", "--batch-size", "4"))
+    assert len(single) == 4
+    for schedule in ("gpipe", "1f1b"):
+        out = torchrun("pipeline", *TINY, "--steps", "4", "--batch-size", "4", "--schedule", schedule)
+        assert losses(out) == pytest.approx(single, rel=1e-5, abs=0), out
+        assert re.search(r"^  stage 1: peak [\d.]+ \w+ \(parameters", out, re.MULTILINE), out
