@@ -57,7 +57,9 @@ def test_triton_kernel_matches_torch_fused_adamw(n, grad_dtype, with_out):
         torch.testing.assert_close(a, b.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
     if with_out:
         assert torch.equal(out, ours[0].bfloat16())  # every element written, rounded as torch rounds
-    assert (ours[0] - p0).abs().min().item() > 0  # every element moved
+    # The params moved far beyond the tolerance: the comparison above is not vacuous. (Not "every
+    # element moved": over millions of elements a few end exactly where they started.)
+    assert (ours[0] - p0).abs().mean().item() > 1e-3
 
 
 def test_triton_kernel_offsets_past_2_to_the_31():
