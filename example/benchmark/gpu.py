@@ -2,7 +2,7 @@
 
     python example/benchmark/gpu.py
 
-Prints two markdown tables (about 5 minutes on one H100):
+Prints two markdown tables (about a minute on one H100):
 
 (1) The fused AdamW update (tiny_zero.optim.adamw_update_, which runs the
     Triton kernel on CUDA) on flat tensors of 1M to 1B elements, in GB/s,
