@@ -496,7 +496,7 @@ def held_elements(strategy, n):
     import torch.nn as nn
     from example.model import build_model
     from tiny_zero.comm import make_buckets
-    from tiny_zero.fsdp.wrapper import layer_units
+    from tiny_zero.measure.estimate import fsdp_units
     from tiny_zero.zero3.wrapper import loads, owner_table
 
     model = build_model("gpt2", device="meta")
@@ -514,8 +514,7 @@ def held_elements(strategy, n):
     if strategy == "zero3":
         shapes = [(name, p.numel()) for name, p in named]
         return [(owned,) * 3 for owned in loads(owner_table(shapes, n), shapes, n)]
-    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding))]
-    share = sum(u.numel for u in layer_units(layers, n)) // n
+    share = sum(u.numel for u in fsdp_units(model, n)) // n
     return [(share,) * 3] * n
 
 

@@ -334,49 +334,97 @@ class Buckets:
             self.flat.zero_()
 
 
-# ---------------------------------------------------------------- layer order
+# ---------------------------------------------------------------- gather order
 
-class LayerOrder:
-    """The order in which layers run forward, recorded on the first step that
+class GatherOrder:
+    """When zero3 and fsdp gather and free their units (what one gather brings:
+    a transformer block's parameters, say; `units_of` maps each layer to the
+    units it uses).
+
+    The order in which layers run forward is recorded on the first step that
     trains (a layer called twice appears twice; every rank records the same
-    order). Afterwards it predicts the layer after this one, in forward and,
-    walking the order backwards, in backward, so its parameters can be
-    gathered while this one computes.
+    order). Afterwards, as each layer arrives (forward, or walking the order
+    backwards in backward), `arrive` returns the layers expected after it, so
+    the strategy can gather the next unit ahead, and `next_layer` says which
+    units the coming layer needs, so it can free the others.
 
-    A layer that arrives where the order did not expect it (eval with another
-    path, a layer skipped this step) is gathered on the spot; before that,
-    every rank agrees that it is the same layer, so a rank that really went
-    another way gets a clear error instead of mismatched collectives.
+    A layer that needs a unit the order did not predict (eval taking another
+    path, a layer skipped this step, the recording step) is gathered on the
+    spot; before that every rank agrees that it is the same layer, so a rank
+    that really went another way gets a clear error, not mismatched collectives.
     """
 
-    def __init__(self):
+    def __init__(self, units_of):
+        self.units_of = units_of  # in module order
+        self.following = dict(zip(units_of, list(units_of)[1:]))  # the next layer in module order
         self.order = []
         self.recording = True
-        self.position = 0  # forward: calls done; backward: calls left
+        self.backward = False
+        self.position = 0  # forward: layers done; backward: layers left
+        self.last = None  # the layer that arrived last
 
-    def forward(self, layer, expected, training):
-        """layer is about to run forward; `expected`: it was gathered ahead.
-        Returns the layer predicted to run next (None at the end or while recording)."""
+    def arrive(self, layer, expected, backward=False, training=False):
+        """`layer` is about to run; `expected`: what it needs was gathered or
+        started ahead. Returns the layers expected after it, nearest first."""
+        if backward and self.recording:  # the first backward ends the recording
+            self.recording = False
+        if self.recording or not expected:
+            agree(f"the layer to gather in {'backward' if backward else 'forward'}", layer=layer.index)
+        self.last = layer
         if self.recording:
             if training:  # only a forward that backward will follow sets the order
                 self.order.append(layer)
-            agree("the layer to gather in forward", layer=layer.index)
-            return None
+            self.backward = False
+            return []
+        self.backward = backward
+        if backward:
+            if self.position <= 0 or self.order[self.position - 1] is not layer:
+                self.position = len(self.order) - self.order[::-1].index(layer) if layer in self.order else 0
+            self.position -= 1
+            return self.order[self.position - 1::-1] if self.position > 0 else []
         if self.position >= len(self.order) or self.order[self.position] is not layer:
             self.position = self.order.index(layer) if layer in self.order else len(self.order)
-        if not expected:
-            agree("the layer to gather in forward", layer=layer.index)
         self.position += 1
+        return self.order[self.position:]
+
+    def next_layer(self):
+        """The layer expected after the one that just ran (None: the pass ends).
+        While recording, the guess is the next layer in module order."""
+        if self.recording:
+            return self.following.get(self.last)
+        if self.backward:
+            return self.order[self.position - 1] if self.position > 0 else None
         return self.order[self.position] if self.position < len(self.order) else None
 
-    def backward(self, layer, expected):
-        """The same, before layer's backward, walking the order in reverse."""
-        if self.recording:  # the first backward ends the recording
-            self.recording = False
-            self.position = len(self.order)
-        if self.position <= 0 or self.order[self.position - 1] is not layer:
-            self.position = len(self.order) - self.order[::-1].index(layer) if layer in self.order else 0
-        if not expected:
-            agree("the layer to gather in backward", layer=layer.index)
-        self.position -= 1
-        return self.order[self.position - 1] if self.position > 0 else None
+    def next_unit(self, following, gathered):
+        """The first unit the layers in `following` need that is not gathered."""
+        return next((u for layer in following for u in self.units_of[layer] if u not in gathered), None)
+
+    def still_needed(self):
+        """The units the next layer uses: the others can be freed."""
+        layer = self.next_layer()
+        return set(self.units_of[layer]) if layer is not None else set()
+
+
+def gather_units(module, layers, units):
+    """[(module, [its layers])]: what each gather brings. `units`: module classes
+    or names (a module's path, or its class name); None: the model's repeated
+    blocks, found as the children of a ModuleList that are all of one class.
+    A layer in no unit is a unit of its own."""
+    if units is None:
+        chosen = next(([m for m in lst] for lst in module.modules()
+                       if isinstance(lst, torch.nn.ModuleList) and len(lst) > 1
+                       and len({type(c) for c in lst}) == 1), [])
+    else:
+        wanted = [u if isinstance(u, (str, type)) else type(u) for u in units]
+        chosen = [m for path, m in module.named_modules()
+                  if any(w == path or w == type(m).__name__ if isinstance(w, str) else isinstance(m, w)
+                         for w in wanted)]
+    owner = {}
+    for m in chosen:
+        for inner in m.modules():
+            owner.setdefault(inner, m)  # the outermost chosen module holds a layer
+    grouped = {}
+    for layer in layers:
+        grouped.setdefault(owner.get(layer, layer), []).append(layer)
+    return list(grouped.items())

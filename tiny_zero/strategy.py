@@ -133,7 +133,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.used = 0  # hash of the layers used in forward since the last backward
         self.averaged = set()  # data_ptr()s of the parts of model.grads that hold an average this step
         self.nothing = torch.zeros((), dtype=self.param_dtype, device=self.device)  # see released()
-        self.in_flight = {}  # zero3, fsdp: layer -> [(param or unit, full tensor, handle)] gathered ahead of use
+        self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
         self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
 
     # ------------------------------------------------------------ hooks
@@ -254,13 +254,10 @@ class Wrapper(WrapperStateDicts, nn.Module):
         return {p: bucket.own_view(flat, p).cpu().clone() for p in bucket.params}
 
     def settle(self):
-        """Finish the gathers started ahead for a layer that did not come, so
-        none is mistaken later for current values: at the end of every
-        backward pass and before every step."""
-        for gathers in self.in_flight.values():
-            for _, _, handle in gathers:
-                handle.wait()
-        self.in_flight.clear()
+        """Leave nothing gathered or in flight that a later use could mistake
+        for current values: called at the end of every backward pass and
+        before every step. Nothing to do unless a strategy gathers ahead
+        (zero3 and fsdp extend it)."""
 
     def shard_grads(self):
         """model.grads of a strategy with one shard (zero3, fsdp): made at a

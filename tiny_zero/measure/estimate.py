@@ -34,9 +34,10 @@ import sys
 import torch
 
 from ..comm import DEFAULT_BUCKET_BYTES, make_buckets
-from ..fsdp.wrapper import layer_units
+from ..comm import gather_units
+from ..fsdp.wrapper import flat_units
 from ..module import torch_type
-from ..zero3.wrapper import loads, owner_table
+from ..zero3.wrapper import loads, owner_table, unit_params
 from ..precision import param_dtype
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -105,7 +106,7 @@ def model_state(module, strategy, world_size, mixed_precision=None, bucket_bytes
         named = [(name, param.numel()) for name, param in module.named_parameters()]
         held = [(load, load, load) for load in loads(owner_table(named, n), named, n)]
     elif strategy == "fsdp":
-        share = sum(u.numel for u in layer_units(layers(module), n)) // n
+        share = sum(u.numel for u in fsdp_units(module, n)) // n
         held = [(share, share, share)] * n
     else:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
@@ -123,15 +124,15 @@ def comm_per_step(module, strategy, world_size, mixed_precision=None, bucket_byt
         buckets = make_buckets(as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=world_size)
         padded = sum(b.numel for b in buckets)
         return {"reduce_scatter": padded, "all_gather": padded}
-    if strategy == "zero3":  # each layer broadcasts its parameters before forward and before backward
-        used = sum(param.numel() for layer in layers(module) for param in layer.parameters(recurse=False))
-        return {"broadcast": 2 * used, "reduce": numel}
-    if strategy == "fsdp":  # each layer gathers its units (a tied weight: the unit that holds it)
-        units = layer_units(layers(module), world_size)
-        unit_of = {param: u for u in units for param in u.params}
-        used = sum(u.numel for layer in layers(module)
-                   for u in dict.fromkeys(unit_of[q] for q in layer.parameters(recurse=False)))
-        return {"all_gather": 2 * used, "reduce_scatter": sum(u.numel for u in units)}
+    if strategy == "zero3":  # each unit's tensors broadcast, once per run of layers using it, forward and backward
+        params_of = unit_params(gather_units(module, layers(module), None))
+        size = lambda unit: sum(p.numel() for p in params_of[unit])  # noqa: E731
+        return {"broadcast": 2 * gathered(layers(module), params_of, size), "reduce": numel}
+    if strategy == "fsdp":  # each unit all-gathered, the same way
+        units = fsdp_units(module, world_size)
+        by_unit = {u: u.params for u in units}
+        return {"all_gather": 2 * gathered(layers(module), by_unit, lambda u: u.numel),
+                "reduce_scatter": sum(u.numel for u in units)}
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 
@@ -146,6 +147,21 @@ def as_dtype(params, mixed_precision):
     before they cut buckets, and a bucket's capacity is in bytes."""
     dtype = param_dtype(mixed_precision)
     return [torch.empty(q.shape, dtype=dtype, device="meta") for q in params]
+
+
+def gathered(module_layers, params_of, size):
+    """Elements one pass gathers: each unit once per run of consecutive layers
+    (in module order, the forward order of the example models) that use it.
+    `size(unit)`: its elements (its parameters', or its padded flat layout's)."""
+    unit_of = {p: unit for unit, params in params_of.items() for p in params}
+    needed = [unit for layer in module_layers for unit in dict.fromkeys(unit_of[p] for p in layer.parameters(recurse=False))]
+    runs = [u for i, u in enumerate(needed) if i == 0 or needed[i - 1] is not u]
+    return sum(size(u) for u in runs)
+
+
+def fsdp_units(module, world_size):
+    """fsdp's flat units for `module`: its blocks (the default), each other layer alone."""
+    return flat_units(gather_units(module, layers(module), None), world_size)
 
 
 def layers(module):

@@ -249,7 +249,7 @@ def wrapper_held(model, optimizer_state):
     grads = [p.grad for _, p in model.named_params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
     buckets = model.buckets
     temporary = [b.grads for b in buckets if buckets.flat is None and b.grads is not None]
-    gathered = [full for gathers in model.in_flight.values() for _, full, _ in gathers]
+    gathered = list(model.in_flight.values())  # the tensors of gathers started ahead
     return {"parameters": [model.working.get(t, t) for t in stored] + [model.nothing],
             "optimizer_state": optimizer_state + list(model.working),
             "gradients": list(model.grads.values()) + grads + [buckets.flat],
