@@ -13,13 +13,12 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
-import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tiny_zero  # noqa: E402
-from tiny_zero.module import Embedding, LayerNorm, Linear  # noqa: E402
+from tiny_zero.module import DEFAULT_CLASSES  # noqa: E402
 from tiny_zero.strategy import StrategyAdamW, Wrapper  # noqa: E402
 
 NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
@@ -67,11 +66,10 @@ def test_layers_define_the_mixin_and_layer_classes(name):
     assert expected <= names, f"tiny_zero/{name}/layers.py lacks {sorted(expected - names)}"
 
     module = __import__(f"tiny_zero.{name}.layers", fromlist=["LAYER_CLASSES"])
-    bases = {nn.Linear: Linear, nn.LayerNorm: LayerNorm, nn.Embedding: Embedding}
-    assert set(module.LAYER_CLASSES) == set(bases)
-    for torch_class, cls in module.LAYER_CLASSES.items():
-        assert cls.__name__ == prefix(name) + torch_class.__name__
-        assert issubclass(cls, bases[torch_class])
+    assert set(module.LAYER_CLASSES) == set(DEFAULT_CLASSES)  # nn.Linear ... nn.RMSNorm, Conv1D
+    for kind, cls in module.LAYER_CLASSES.items():
+        assert cls.__name__ == prefix(name) + kind.__name__
+        assert issubclass(cls, DEFAULT_CLASSES[kind])
     assert tiny_zero.STRATEGIES[name][0].layer_classes is module.LAYER_CLASSES
 
 

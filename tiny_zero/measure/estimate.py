@@ -35,7 +35,7 @@ import torch
 
 from ..buckets import DEFAULT_BUCKET_BYTES, make_buckets
 from ..fsdp.wrapper import layer_units
-from ..module import torch_type
+from ..module import layer_kind
 from ..zero3.wrapper import loads, owner_table
 from ..precision import param_dtype
 
@@ -152,9 +152,9 @@ def as_dtype(params, mixed_precision):
 
 
 def layers(module):
-    """The layers that hold parameters (Linear, LayerNorm, Embedding), in module order."""
+    """The layers that hold parameters (those tiny_zero converts), in module order."""
     return [m for m in module.modules()
-            if torch_type(m) is not None and any(True for _ in m.parameters(recurse=False))]
+            if layer_kind(m) is not None and any(True for _ in m.parameters(recurse=False))]
 
 
 def fmt_bytes(n):
