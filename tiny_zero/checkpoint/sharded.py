@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..materialize import weights_loaded
+
 log = logging.getLogger("tiny_zero")
 
 FORMAT = "tiny_zero checkpoint"
@@ -197,6 +199,7 @@ def load(path, model, opt):
     for key, value in meta["buffers"].items():
         model.module.get_buffer(key).copy_(value)
     model.after_step()  # zero1/zero2: every rank's loaded chunks into everyone's full params
+    weights_loaded(model.module)  # a model built on meta without an init may now run
     return {"step": meta["step"], "extra": meta["extra"]}
 
 
