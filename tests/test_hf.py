@@ -32,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import hf_checks  # noqa: E402
 from harness import run_checks  # noqa: E402
+from tiny_zero.checkpoint import load_pretrained  # noqa: E402
 from tiny_zero.checkpoint.consolidate import main as consolidate_main  # noqa: E402
+from tiny_zero.materialize import meta_parameters  # noqa: E402
 from tiny_zero.module import FOREIGN, CallbackLayer, Conv1D, swap_layers  # noqa: E402
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
@@ -142,6 +144,19 @@ def saved(tmp_path_factory):
 def sources(root):
     """(model, what load_pretrained reads, the directory from_pretrained reads)."""
     return [(name, root / name, root / name) for name in MODELS] + [("llama", root / "llama.pt", root / "llama")]
+
+
+def test_load_pretrained_into_a_plain_module(saved):
+    """Single device: built under meta_parameters() (parameters on meta, the
+    rotary buffers real), then loaded; the tied head stays tied."""
+    with meta_parameters():
+        module = hf_checks.build("qwen2")
+    assert all(p.is_meta for p in module.parameters()) and not any(b.is_meta for b in module.buffers())
+    load_pretrained(module, saved / "qwen2")
+    assert module.lm_head.weight is module.model.embed_tokens.weight and not module.lm_head.weight.is_meta
+    x = hf_checks.global_batch(7, 1)[0]
+    torch.testing.assert_close(module(input_ids=x).logits, hf_checks.reference_logits("qwen2", saved / "qwen2"),
+                               rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
