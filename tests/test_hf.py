@@ -239,3 +239,21 @@ def test_consolidated_safetensors_load_with_from_pretrained(world2, saved, tmp_p
     for key, value in trained.items():
         assert torch.equal(loaded[key], value), key
     assert any(not torch.equal(value, initial[key]) for key, value in trained.items())  # it did train
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_example_llama_is_hugging_face_llama(tied):
+    """example/model.py's Llama has LlamaForCausalLM's names and math: its
+    state_dict loads into transformers' model (strictly) and the logits agree."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from example.model import build_model
+    ours = build_model("llama-tiny", seed=1, tie_embeddings=tied)
+    c = ours.config
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
+        max_position_embeddings=c.block_size, rope_theta=c.rope_theta, rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=tied))
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randint(0, c.vocab_size, (2, c.block_size), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours(x), theirs(input_ids=x).logits, rtol=1e-5, atol=1e-5)
