@@ -113,3 +113,26 @@ def test_unusable_data_is_a_one_line_error(tmp_path, capsys, text, message):
     assert exit_info.value.code != 0
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def one_device_and_two_ranks(flags, strategies):
+    """The losses of example/single_device with a batch of 4, and of each
+    strategy's example on 2 ranks with 2 each ({strategy: losses}), the
+    strategies in one launch (tests/local_rank_check.py)."""
+    single = losses(run_in_process("single_device", *flags, "--batch-size", "4"))
+    result = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 str(ROOT / "tests" / "local_rank_check.py"), *map(script, strategies), "--",
+                 *flags, "--batch-size", "2", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    parts = re.split(r"^== (\S+)$", result.stdout, flags=re.MULTILINE)
+    return single, {Path(s).parent.name: losses(text) for s, text in zip(parts[1::2], parts[2::2])}
+
+
+def test_every_example_trains_the_llama():
+    """--model llama-tiny: every strategy on 2 ranks prints the losses of one device."""
+    strategies = list(tiny_zero.STRATEGIES)
+    single, curves = one_device_and_two_ranks(
+        ["--model", "llama-tiny", "--seq-len", "32", "--eval-batches", "1", "--steps", "3"], strategies)
+    assert list(curves) == strategies and len(single) == 3
+    for strategy, curve in curves.items():
+        assert curve == pytest.approx(single, rel=1e-5, abs=0), strategy

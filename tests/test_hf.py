@@ -257,3 +257,33 @@ def test_example_llama_is_hugging_face_llama(tied):
     theirs.load_state_dict(ours.state_dict())
     x = torch.randint(0, c.vocab_size, (2, c.block_size), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(ours(x), theirs(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def byte_llama(tmp_path_factory):
+    """A saved Llama with a vocabulary of 256: the examples feed bytes."""
+    directory = tmp_path_factory.mktemp("byte-llama")
+    hf_checks.build("llama", vocab_size=256).save_pretrained(directory)
+    return directory
+
+
+def example_losses(byte_llama, strategies):
+    from test_examples import one_device_and_two_ranks
+    flags = ["--model", f"hf:{byte_llama}", "--seq-len", "32", "--eval-batches", "1", "--steps", "3"]
+    return one_device_and_two_ranks(flags, strategies)
+
+
+def test_examples_train_a_saved_hf_model(byte_llama):
+    """--model hf:DIR: each strategy on 2 ranks prints the losses of one device."""
+    single, ranks = example_losses(byte_llama, ["zero3", "fsdp"])
+    assert list(ranks) == ["zero3", "fsdp"] and len(single) == 3
+    for strategy, curve in ranks.items():
+        assert curve == pytest.approx(single, rel=1e-5, abs=0), strategy
+
+
+@pytest.mark.xfail(reason="ddp, zero1 and zero2 take models built on meta after the wrapper rewrite", strict=True)
+def test_examples_train_a_saved_hf_model_pending(byte_llama):
+    single, ranks = example_losses(byte_llama, sorted(META_PENDING))
+    assert list(ranks) == sorted(META_PENDING)
+    for strategy, curve in ranks.items():
+        assert curve == pytest.approx(single, rel=1e-5, abs=0), strategy

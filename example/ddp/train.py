@@ -1,4 +1,5 @@
-"""Train the example GPT with DDP (every rank holds everything).
+"""Train a model with DDP (every rank holds everything):
+an example GPT or Llama, or a saved Hugging Face model (--model hf:DIR).
 
 Run with python (one process) or torchrun --nproc_per_node N; flags: --help.
 """
@@ -16,6 +17,7 @@ def main():
     data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
     with common.memory_tracker(args) as memory:
         model = DDP(common.build_model(args), **common.strategy_options(args))
+        common.load_weights(model, args)  # --model hf:DIR: each rank reads the parts it holds
         opt = DDPAdamW(model, lr=args.lr, weight_decay=args.weight_decay)
         common.train(model, opt, data, args, memory)
 
