@@ -184,13 +184,13 @@ class RMSNorm(CallbackLayer, nn.RMSNorm):
             g = grad_out.to(rstd.dtype)
         elif self.cast_before_scale:  # y = w h with h = cast(x̂)
             h = xhat.to(x.dtype)
-            if trains(self.weight):
-                self.accumulate_grad(self.weight, _rows(grad_out * h, width).sum(0).view_as(self.weight))  # dw = Σ dy h
+            if trains(self.weight):  # dw = Σ dy h
+                self.accumulate_grad(self.weight, _rows(grad_out * h, width).sum(0).view_as(self.weight))
             g = (grad_out * self.weight).to(x.dtype).to(rstd.dtype)  # dh = dy w, rounded to h's dtype as autograd does
         else:  # y = cast(x̂ s) with s = w + offset in fp32
             dy = grad_out.to(rstd.dtype)
-            if trains(self.weight):
-                self.accumulate_grad(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))  # dw = Σ dy x̂
+            if trains(self.weight):  # dw = Σ dy x̂
+                self.accumulate_grad(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))
             g = dy * self._scale(dy.dtype)
         if not ctx.needs_input_grad[1]:
             return None
