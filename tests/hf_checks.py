@@ -202,3 +202,46 @@ def train_and_save(name, strategy, directory):
     opt.step()
     tiny_zero.checkpoint.save(directory, model, opt, step=1)
     return model.full_state_dict()
+
+
+class Counting:
+    """A safe_open handle, or one tensor's slice of it, that adds up the
+    elements taken out of it."""
+
+    def __init__(self, inner, taken):
+        self.inner, self.taken = inner, taken
+
+    def keys(self):
+        return self.inner.keys()
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def get_slice(self, key):
+        return Counting(self.inner.get_slice(key), self.taken)
+
+    def get_tensor(self, key):
+        return self.count(self.inner.get_tensor(key))
+
+    def __getitem__(self, index):
+        return self.count(self.inner[index])
+
+    def count(self, tensor):
+        self.taken.append(tensor.numel())
+        return tensor
+
+
+def elements_read(strategy, path):
+    """(elements this rank took out of the safetensors files, elements it
+    holds, the pieces they are in, elements in the model), loading `path`
+    into `strategy`."""
+    from tiny_zero.checkpoint import pretrained
+    taken, open_file = [], pretrained.Safetensors._open
+    pretrained.Safetensors._open = staticmethod(lambda file, files: Counting(open_file(file, files), taken))
+    try:
+        model = wrap_for_loading("llama", strategy, on_meta=False)
+        load_pretrained(model, path)
+    finally:
+        pretrained.Safetensors._open = staticmethod(open_file)
+    pieces, total = model.pieces(), sum(p.numel() for p in build("llama").parameters())
+    return sum(taken), sum(p.hi - p.lo for p in pieces), len(pieces), total

@@ -168,6 +168,7 @@ def world2(saved):
     plan += [(f"meta {s}", "built_on_meta", (s, sources(saved), saved / "llama")) for s in STRATEGIES]
     plan += [(f"trained {name}", "train_and_save", (name, strategy, saved / f"checkpoint-{name}"))
              for name, strategy in [("qwen2", "zero3"), ("gpt2", "fsdp")]]
+    plan += [(f"read {s}", "elements_read", (s, saved / "llama")) for s in ("ddp", "zero3", "fsdp")]
     return run_checks(2, "hf_checks", plan)
 
 
@@ -189,6 +190,19 @@ def test_every_strategy_trains_hf_models_as_torch_does_world_3():
 def test_load_pretrained_into_every_strategy(world2):
     failures = [f for rank in world2["load"] for f in rank]
     assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "fsdp"])
+def test_each_rank_reads_only_what_it_holds(world2, strategy):
+    """The elements taken out of the safetensors file: ddp holds and reads
+    everything; a zero3 rank the tensors it owns; an fsdp rank its slice of
+    each layer, read as the rows it spans (at most 2 more rows of 48 per
+    piece: llama's widest row)."""
+    for read, held, pieces, total in world2[f"read {strategy}"]:
+        if strategy == "ddp":
+            assert read == held == total
+        else:
+            assert held <= read <= held + 2 * 48 * pieces and read < 0.7 * total, (read, held, pieces, total)
 
 
 @pytest.mark.parametrize("strategy", [
