@@ -208,6 +208,8 @@ def test_unsupported_layers_are_all_named_with_a_count_and_the_way_out():
     assert "Conv1D, LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm" in message
     assert "To add a layer" in message and "docs/huggingface.md" in message
     assert type(model[0]) is nn.Linear  # nothing was converted
+    with pytest.raises(TypeError, match="the parameters of 1 module of 1 type:"):
+        swap_layers(nn.Sequential(nn.Conv1d(1, 1, 2)))
 
 
 class MyLinear(nn.Linear):

@@ -23,8 +23,8 @@ import torch.nn as nn
 
 from .layers import Conv1D, Embedding, LayerNorm, Linear, RMSNorm
 
-DEFAULT_CLASSES = {nn.Linear: Linear, nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm,
-                   nn.Embedding: Embedding, Conv1D: Conv1D}
+TORCH_LAYERS = {nn.Linear: Linear, nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm, nn.Embedding: Embedding}
+DEFAULT_CLASSES = {**TORCH_LAYERS, Conv1D: Conv1D}  # Conv1D, which torch lacks, is its own kind
 
 
 def _rms_norm(layer, eps):
@@ -72,7 +72,7 @@ def layer_kind(layer):
             return kind
     if qualified_name(cls) in FOREIGN:
         return FOREIGN[qualified_name(cls)][0]
-    for kind in DEFAULT_CLASSES:
+    for kind in TORCH_LAYERS:
         if isinstance(layer, kind) and cls.forward is kind.forward:  # a plain subclass
             return kind
     return None
@@ -96,13 +96,12 @@ def check_supported(module):
 
 
 def unsupported_message(found):
-    kinds = ", ".join("nn." + kind.__name__ for kind in DEFAULT_CLASSES if kind.__module__.startswith("torch."))
+    kinds = ", ".join("nn." + kind.__name__ for kind in TORCH_LAYERS)
     foreign = ", ".join(name.rpartition(".")[2] for name in FOREIGN)
-    lines = [f"tiny_zero cannot shard the parameters of {sum(map(len, found.values()))} modules "
-             f"of {len(found)} type{'s' * (len(found) > 1)}:"]
+    lines = [f"tiny_zero cannot shard the parameters of {count(sum(map(len, found.values())), 'module')} "
+             f"of {count(len(found), 'type')}:"]
     for cls, paths in found.items():
-        lines.append(f"  {qualified_name(cls)}: {len(paths)} module{'s' * (len(paths) > 1)}, "
-                     f"e.g. '{paths[0]}'{own_forward(cls)}")
+        lines.append(f"  {qualified_name(cls)}: {count(len(paths), 'module')}, e.g. '{paths[0]}'{own_forward(cls)}")
     lines += [f"Parameters must live in {kinds} (or a subclass that keeps its forward), or, matched by name, "
               f"in transformers' {foreign}.",
               "To add a layer: write its forward and backward as in tiny_zero/module/layers.py and list it "
@@ -111,10 +110,14 @@ def unsupported_message(found):
     return "\n".join(lines)
 
 
+def count(n, thing):
+    return f"{n} {thing}{'s' * (n != 1)}"
+
+
 def own_forward(cls):
     """Why a subclass of a supported torch layer is not converted."""
-    for kind in DEFAULT_CLASSES:
-        if issubclass(cls, kind) and kind.__module__.startswith("torch."):
+    for kind in TORCH_LAYERS:
+        if issubclass(cls, kind):
             return f" (a subclass of nn.{kind.__name__} with a forward of its own, which tiny_zero's would replace)"
     return ""
 
