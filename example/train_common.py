@@ -1,8 +1,10 @@
 """What every example/<strategy>/train.py shares: flags, data, the model, the loop.
 
 A train.py builds the model and optimizer in its own way (single device, or a
-tiny_zero wrapper) and hands them to train(): AdamW at a constant learning
-rate, the global gradient norm clipped to 1.0. On rank 0, train() prints one
+tiny_zero wrapper) and hands them to train(). As nanoGPT trains: AdamW with
+weight decay on the matrices only (param_groups), the learning rate warmed
+up linearly, then decayed along a cosine to a tenth (learning_rate), the
+global gradient norm clipped to 1.0. On rank 0, train() prints one
 line per step, `step N loss X`, with the loss averaged over ranks, then the
 val loss and the peak memory, and (Accounting, at the end of the file) the
 memory at the peak by category and the communication per step, each next
@@ -41,7 +43,10 @@ def parse_args(description=None, argv=None):
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step (default: 16)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence (default: 128)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: 0.1)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="steps of linear warm-up before the cosine decay (default: a tenth of --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay of the weight matrices; none on biases and norms (default: 0.1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches (default: 0)")
     p.add_argument("--data", default=None,
                    help="a text file, or a folder of them (default: the Python standard library's source)")
@@ -61,7 +66,9 @@ def parse_args(description=None, argv=None):
         p.error("--save-every and --resume need --save-dir")
     if args.save_every < 0:
         p.error("--save-every must be >= 0")
-    for flag in ("steps", "eval_batches"):
+    if args.warmup_steps is None:
+        args.warmup_steps = args.steps // 10
+    for flag in ("steps", "eval_batches", "warmup_steps"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
     for flag in ("batch_size", "seq_len"):
@@ -109,6 +116,26 @@ def load_weights(model, args):
         tiny_zero.checkpoint.load_pretrained(model, args.model[3:])
 
 
+def param_groups(module, args):
+    """AdamW's groups, as nanoGPT's: weight decay on the parameters of two or
+    more dimensions (Linear and Embedding weights), none on the 1-D ones
+    (biases, norm weights). Take them before the module is wrapped: zero3
+    and fsdp empty the parameters a rank does not hold."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def learning_rate(step, args):
+    """nanoGPT's schedule: linear warm-up over --warmup-steps, then a cosine
+    from --lr down to --lr / 10 at the last step."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / (args.warmup_steps + 1)
+    decayed = (step - args.warmup_steps) / max(args.steps - args.warmup_steps, 1)  # 0 .. 1
+    low = args.lr / 10
+    return low + 0.5 * (1.0 + math.cos(math.pi * decayed)) * (args.lr - low)
+
+
 def strategy_options(args):
     """What a tiny_zero wrapper takes from the flags."""
     return {"mixed_precision": args.mixed_precision}
@@ -153,6 +180,8 @@ def train(model, opt, data, args, memory=None):
     for step in bar:
         t0 = time.perf_counter()
         x, y = (t.to(device) for t in data.get_batch("train", args.batch_size, step, args.seed, rank, world_size))
+        for group in opt.param_groups:  # the next step's learning rate
+            group["lr"] = learning_rate(step, args)
         loss = model(x, y)
         if not finite_on_all_ranks(loss):
             if not args.skip_nonfinite:

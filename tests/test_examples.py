@@ -136,3 +136,27 @@ def test_every_example_trains_the_llama():
     assert list(curves) == strategies and len(single) == 3
     for strategy, curve in curves.items():
         assert curve == pytest.approx(single, rel=1e-5, abs=0), strategy
+
+
+def test_learning_rate_warms_up_then_decays_along_a_cosine_to_a_tenth():
+    args = train_common.parse_args(argv=["--steps", "100", "--lr", "1e-3"])
+    assert args.warmup_steps == 10  # a tenth of --steps
+    lr = [train_common.learning_rate(step, args) for step in range(100)]
+    assert lr[0] == pytest.approx(1e-3 / 11) and lr[9] == pytest.approx(1e-3 * 10 / 11)
+    assert lr[10] == pytest.approx(1e-3) and lr[55] == pytest.approx(0.55e-3)  # half way down the cosine
+    assert all(a > b for a, b in zip(lr[10:], lr[11:])) and lr[99] > 1e-4 > lr[99] - 1e-6
+    no_warmup = train_common.parse_args(argv=["--steps", "5", "--warmup-steps", "0"])
+    assert train_common.learning_rate(0, no_warmup) == no_warmup.lr
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_weight_decay_only_on_matrices(name):
+    args = train_common.parse_args(argv=["--model", name, "--seq-len", "32", "--weight-decay", "0.2"])
+    module = train_common.build_model(args)
+    decay, no_decay = train_common.param_groups(module, args)
+    assert decay["weight_decay"] == 0.2 and no_decay["weight_decay"] == 0.0
+    names = {p: n for n, p in module.named_parameters()}
+    assert {names[p] for p in decay["params"]} == {n for n, p in module.named_parameters() if p.dim() == 2}
+    assert all(n.endswith(("bias", "norm.weight")) or ".ln_" in n or n.startswith("ln_")
+               for n in (names[p] for p in no_decay["params"]))
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names)

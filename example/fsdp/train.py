@@ -16,9 +16,11 @@ def main():
     args = common.parse_args(__doc__)
     data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
     with common.memory_tracker(args) as memory:
-        model = FSDP(common.build_model(args), **common.strategy_options(args))
+        module = common.build_model(args)
+        groups = common.param_groups(module, args)  # before wrapping: zero3 and fsdp empty what a rank does not hold
+        model = FSDP(module, **common.strategy_options(args))
         common.load_weights(model, args)  # --model hf:DIR: each rank reads the parts it holds
-        opt = FSDPAdamW(model, lr=args.lr, weight_decay=args.weight_decay)
+        opt = FSDPAdamW(model, groups, lr=args.lr)
         common.train(model, opt, data, args, memory)
 
 

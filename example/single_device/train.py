@@ -19,7 +19,7 @@ def main():
         module = common.build_model(args)
         common.load_weights(module, args)  # --model hf:DIR: the saved weights
         model = tiny_zero.module.swap_layers(module).to(args.device, common.single_device_dtype(args))
-        opt = tiny_zero.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        opt = tiny_zero.optim.AdamW(common.param_groups(model, args), lr=args.lr)
         common.train(model, opt, data, args, memory)
 
 
