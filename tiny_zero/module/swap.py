@@ -105,8 +105,8 @@ def unsupported_message(found):
     lines += [f"Parameters must live in {kinds} (or a subclass that keeps its forward), or, matched by name, "
               f"in transformers' {foreign}.",
               "To add a layer: write its forward and backward as in tiny_zero/module/layers.py and list it "
-              "in DEFAULT_CLASSES or FOREIGN in tiny_zero/module/swap.py (docs/huggingface.md, "
-              "\"Adding a layer\")."]
+              "in tiny_zero/module/swap.py, in TORCH_LAYERS, or in FOREIGN for another library's class "
+              "(docs/huggingface.md, \"Adding a layer\")."]
     return "\n".join(lines)
 
 
