@@ -1,23 +1,30 @@
-"""What every example/<strategy>/train.py shares: flags, data, the model, the loop.
+"""What every example/<strategy>/train.py shares, so that each train.py shows
+only its model, its optimizer and the training loop, as nanoGPT's does:
 
-A train.py builds the model and optimizer in its own way (single device, or a
-tiny_zero wrapper) and hands them to train(). As nanoGPT trains: AdamW with
-weight decay on the matrices only (param_groups), the learning rate warmed
-up linearly, then decayed along a cosine to a tenth (learning_rate), the
-global gradient norm clipped to 1.0. On rank 0, train() prints one
-line per step, `step N loss X`, with the loss averaged over ranks, then the
-val loss and the peak memory, and (Accounting, at the end of the file) the
-memory at the peak by category and the communication per step, each next
-to tiny_zero.measure.estimate and the ZeRO formula. Each rank takes its own rows of
-one global batch (see example/data.py), so N ranks with --batch-size b see
-exactly what one process sees with N * b.
+    parse_args, load_data, build_model   flags, the byte-level data, the model:
+                                         an example GPT or Llama, or hf:DIR
+    load_weights                         hf:DIR: its saved weights, each rank
+                                         reading the parts it holds
+    param_groups, schedule               AdamW's groups (no decay on 1-D
+                                         parameters) and the learning rate:
+                                         a linear warm-up, then cosine to lr/10
+    Run                                  everything else, one call each: memory
+                                         accounting, --resume and --save-every,
+                                         the batches, the printed lines, a
+                                         non-finite loss, eval and the report
+
+On rank 0 a run prints one line per step, `step N loss X` (the loss averaged
+over ranks), then the val loss and the peak memory, and (Accounting, at the
+end of the file) the memory at the peak by category and the communication per
+step, each next to tiny_zero.measure.estimate and the ZeRO formula. Each rank
+takes its own rows of one global batch (see example/data.py), so N ranks with
+--batch-size b see exactly what one process sees with N * b.
 """
 import argparse
 import math
 import os
 import sys
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -42,11 +49,11 @@ def parse_args(description=None, argv=None):
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step (default: 16)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence (default: 128)")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="steps of linear warm-up before the cosine decay (default: a tenth of --steps)")
     p.add_argument("--weight-decay", type=float, default=0.1,
-                   help="AdamW weight decay of the weight matrices; none on biases and norms (default: 0.1)")
+                   help="AdamW weight decay of the 2-D parameters (default: 0.1; none on 1-D ones)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches (default: 0)")
     p.add_argument("--data", default=None,
                    help="a text file, or a folder of them (default: the Python standard library's source)")
@@ -64,16 +71,16 @@ def parse_args(description=None, argv=None):
     args = p.parse_args(argv)
     if (args.save_every or args.resume) and not args.save_dir:
         p.error("--save-every and --resume need --save-dir")
-    if args.save_every < 0:
-        p.error("--save-every must be >= 0")
-    if args.warmup_steps is None:
-        args.warmup_steps = args.steps // 10
-    for flag in ("steps", "eval_batches", "warmup_steps"):
+    for flag in ("steps", "eval_batches", "save_every"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
     for flag in ("batch_size", "seq_len"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.warmup_steps is None:
+        args.warmup_steps = args.steps // 10
+    if args.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
     try:
         block_size = hf.block_size(args.model[3:]) if args.model.startswith("hf:") else CONFIGS[args.model].block_size
     except ValueError as e:
@@ -116,26 +123,6 @@ def load_weights(model, args):
         tiny_zero.checkpoint.load_pretrained(model, args.model[3:])
 
 
-def param_groups(module, args):
-    """AdamW's groups, as nanoGPT's: weight decay on the parameters of two or
-    more dimensions (Linear and Embedding weights), none on the 1-D ones
-    (biases, norm weights). Take them before the module is wrapped: zero3
-    and fsdp empty the parameters a rank does not hold."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def learning_rate(step, args):
-    """nanoGPT's schedule: linear warm-up over --warmup-steps, then a cosine
-    from --lr down to --lr / 10 at the last step."""
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / (args.warmup_steps + 1)
-    decayed = (step - args.warmup_steps) / max(args.steps - args.warmup_steps, 1)  # 0 .. 1
-    low = args.lr / 10
-    return low + 0.5 * (1.0 + math.cos(math.pi * decayed)) * (args.lr - low)
-
-
 def strategy_options(args):
     """What a tiny_zero wrapper takes from the flags."""
     return {"mixed_precision": args.mixed_precision}
@@ -150,126 +137,184 @@ def single_device_dtype(args):
     return torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
 
 
-@contextmanager
-def memory_tracker(args):
-    """On CPU, count live tensor bytes from here on (model, grads, optimizer
-    state, activations). CUDA's allocator keeps its own statistics."""
-    if args.device.type == "cuda":
-        yield None
-    else:
-        with TensorMemory() as memory:
-            yield memory
+def param_groups(module, args):
+    """AdamW's groups, as nanoGPT makes them: weight decay on the 2-D
+    parameters (matmul weights, embeddings), none on the 1-D ones (biases,
+    norms). By shape, which a wrapped model keeps (tiny_zero/strategy.py)."""
+    params = list(module.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def train(model, opt, data, args, memory=None):
-    """Train for args.steps steps, then evaluate. `model` is a plain module or a
-    tiny_zero wrapper (which has .rank, .world_size, .device, .backward and
-    .clip_grad_norm_)."""
-    rank, world_size = getattr(model, "rank", 0), getattr(model, "world_size", 1)
-    device = getattr(model, "device", None) or next(model.parameters()).device
-    tokens_per_step = args.batch_size * args.seq_len * world_size
-    first_step = resume(model, opt, args, rank)
-    reset_peak(memory, device)
-    accounting = Accounting(model, opt, memory, args)
+def schedule(opt, args):
+    """The learning rate: a linear warm-up over --warmup-steps, then a cosine
+    decay to a tenth of --lr at the last step (torch.optim.lr_scheduler)."""
+    def factor(step):
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
-    model.train()
-    skipped = 0
-    bar = tqdm(range(first_step, args.steps), disable=rank != 0, desc="train", dynamic_ncols=True,
-               initial=first_step, total=args.steps)
-    start = time.perf_counter()
-    for step in bar:
-        t0 = time.perf_counter()
-        x, y = (t.to(device) for t in data.get_batch("train", args.batch_size, step, args.seed, rank, world_size))
-        for group in opt.param_groups:  # the next step's learning rate
-            group["lr"] = learning_rate(step, args)
-        loss = model(x, y)
-        if not finite_on_all_ranks(loss):
-            if not args.skip_nonfinite:
-                raise SystemExit(f"error: the loss is not finite at step {step} (on some rank); "
-                                 "--skip-nonfinite skips such steps instead")
-            skipped += 1
-            continue
-        if hasattr(model, "backward"):  # a wrapper: its own backward and clipping
-            model.backward(loss)
-            model.clip_grad_norm_(MAX_GRAD_NORM)
-        else:
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        opt.step()
-        opt.zero_grad()
+
+class Run:
+    """Everything around a training loop, one call each:
+
+        with Run(args, data) as run:                  # on CPU, counts live tensor bytes from here
+            model, opt, sched = ...
+            for step in run.steps(model, opt, sched):  # from 0, or the checkpoint (--resume)
+                x, y = run.batch(step)
+                loss = model(x, y)
+                if run.skip(loss, step):               # inf/nan on some rank: skipped, or the run stops
+                    continue
+                ...                                    # backward, clip, step, zero_grad
+                run.log(step, loss)                    # the step's line; saves every --save-every
+            run.finish()                               # eval, peak memory, the accounting report
+    """
+
+    def __init__(self, args, data):
+        self.args, self.data = args, data
+        self.memory = TensorMemory() if args.device.type == "cpu" else None  # CUDA keeps its own statistics
+        self.skipped = 0
+
+    def __enter__(self):
+        if self.memory is not None:
+            self.memory.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.memory is not None:
+            self.memory.__exit__(*exc)
+        if dist.is_initialized():
+            dist.destroy_process_group()  # a clean exit: gloo can abort in its destructor at interpreter exit
+
+    def steps(self, model, opt, sched):
+        """The steps to run, with a progress bar on rank 0 (the model and
+        optimizer are the run's from here on)."""
+        self.model, self.opt, self.sched = model, opt, sched
+        self.rank, self.world_size = getattr(model, "rank", 0), getattr(model, "world_size", 1)
+        self.device = getattr(model, "device", None) or next(model.parameters()).device
+        first = self.resume()
+        self.reset_peak()
+        self.accounting = Accounting(model, opt, self.memory, self.args)
+        model.train()
+        self.bar = tqdm(range(first, self.args.steps), disable=self.rank != 0, desc="train", dynamic_ncols=True,
+                        initial=first, total=self.args.steps)
+        self.start = self.last = time.perf_counter()
+        self.first = first
+        return self.bar
+
+    def batch(self, step, split="train"):
+        args = self.args
+        x, y = self.data.get_batch(split, args.batch_size, step, args.seed, self.rank, self.world_size)
+        return x.to(self.device), y.to(self.device)
+
+    def skip(self, loss, step):
+        """A loss that is not finite on some rank (one all-reduce, so every rank
+        agrees): skipped and counted with --skip-nonfinite, else the run stops."""
+        bad = (~torch.isfinite(loss.detach())).float()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad)
+        if bad.item() == 0:
+            return False
+        if not self.args.skip_nonfinite:
+            raise SystemExit(f"error: the loss is not finite at step {step} (on some rank); "
+                             "--skip-nonfinite skips such steps instead")
+        self.skipped += 1
+        return True
+
+    def log(self, step, loss):
         mean_loss = average_over_ranks(loss.detach())
-        if rank == 0:
-            tokens_per_s = tokens_per_step / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+        now = time.perf_counter()
+        if self.rank == 0:
+            tokens = self.args.batch_size * self.args.seq_len * self.world_size
+            self.bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens / (now - self.last):,.0f}")
             tqdm.write(f"step {step} loss {mean_loss:.8f}")
+        self.last = now
+        args = self.args
         if args.save_dir and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
-            save(model, opt, args, step + 1)
-    elapsed = time.perf_counter() - start
-    bar.close()
-    accounting.training_done(args.steps - first_step - skipped)
-    if skipped and rank == 0:
-        print(f"skipped {skipped} steps with a non-finite loss")
+            self.save(step + 1)
 
-    val_loss = evaluate(model, data, args, rank, world_size, device)
-    peak = peak_memory(memory, device)
-    if rank == 0:
-        if args.steps:
-            print(f"trained {args.steps} steps in {elapsed:.1f} s ({tokens_per_step * args.steps / elapsed:,.0f} tokens/s)")
-        print(f"val loss {val_loss:.6f}")
-        print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {peak_memory_kind(memory)})")
-    accounting.report()
-    if dist.is_initialized():
-        dist.destroy_process_group()  # a clean exit: gloo can abort in its destructor at interpreter exit
+    def save(self, step):
+        """A wrapper saves sharded (tiny_zero.checkpoint: every rank writes its
+        part, any strategy and world size can load it); a single-device model
+        saves one file. Both replace the old checkpoint only once complete."""
+        model, opt, args = self.model, self.opt, self.args
+        if hasattr(model, "pieces"):
+            tiny_zero.checkpoint.save(args.save_dir, model, opt, step=step,
+                                      extra={"schedule": self.sched.state_dict()})
+            return
+        os.makedirs(args.save_dir, exist_ok=True)
+        path = os.path.join(args.save_dir, "single_device.pt")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "schedule": self.sched.state_dict()}, path + ".saving")
+        os.replace(path + ".saving", path)
 
+    def resume(self):
+        """The step to start from: 0, or the saved one with --resume."""
+        model, opt, args = self.model, self.opt, self.args
+        if not (args.resume and args.save_dir and os.path.isdir(args.save_dir)):
+            return 0
+        if hasattr(model, "pieces"):
+            info = tiny_zero.checkpoint.load(args.save_dir, model, opt)
+            step, schedule_state = info["step"], info["extra"]["schedule"]
+        else:
+            saved = torch.load(os.path.join(args.save_dir, "single_device.pt"), weights_only=True)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            step, schedule_state = saved["step"], saved["schedule"]
+        self.sched.load_state_dict(schedule_state)
+        for group, lr in zip(opt.param_groups, self.sched.get_last_lr()):
+            group["lr"] = lr  # the schedule's lr for the step it resumes at
+        if self.rank == 0:
+            print(f"resumed from {args.save_dir} at step {step}")
+        return step
 
-def finite_on_all_ranks(loss):
-    """One all-reduce, so that every rank skips or stops together."""
-    bad = (~torch.isfinite(loss.detach())).float()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(bad)
-    return bad.item() == 0
+    def finish(self):
+        """Eval, the peak memory, and the accounting report."""
+        elapsed = time.perf_counter() - self.start
+        self.bar.close()
+        args, rank = self.args, self.rank
+        self.accounting.training_done(args.steps - self.first - self.skipped)
+        if self.skipped and rank == 0:
+            print(f"skipped {self.skipped} steps with a non-finite loss")
+        val_loss = self.evaluate()
+        peak = self.peak_memory()
+        if rank == 0:
+            if args.steps > self.first:
+                tokens = args.batch_size * args.seq_len * self.world_size * (args.steps - self.first)
+                print(f"trained {args.steps - self.first} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s)")
+            print(f"val loss {val_loss:.6f}")
+            print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {self.peak_memory_kind()})")
+        self.accounting.report()
 
+    @torch.no_grad()
+    def evaluate(self):
+        if self.args.eval_batches == 0:
+            return math.nan
+        self.model.eval()
+        total = sum(self.model(*self.batch(i, "val")).float().item() for i in range(self.args.eval_batches))
+        self.model.train()
+        return average_over_ranks(torch.tensor(total / self.args.eval_batches, device=self.device))
 
-def save(model, opt, args, step):
-    """A wrapper saves sharded (tiny_zero.checkpoint: every rank writes its
-    part, any strategy and world size can load it); a single-device model
-    saves one file. Both replace the old checkpoint only once complete."""
-    if hasattr(model, "pieces"):
-        tiny_zero.checkpoint.save(args.save_dir, model, opt, step=step)
-        return
-    os.makedirs(args.save_dir, exist_ok=True)
-    path = os.path.join(args.save_dir, "single_device.pt")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, path + ".saving")
-    os.replace(path + ".saving", path)
+    def reset_peak(self):
+        if self.memory is not None:
+            self.memory.reset_peak()
+        elif self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
+    def peak_memory(self):
+        """Bytes at the peak on this rank, maxed over ranks."""
+        peak = self.memory.peak if self.memory is not None else torch.cuda.max_memory_allocated(self.device)
+        peak = torch.tensor(peak, dtype=torch.int64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return int(peak.item())
 
-def resume(model, opt, args, rank):
-    """The step to start from: 0, or the saved one with --resume."""
-    if not (args.resume and args.save_dir and os.path.isdir(args.save_dir)):
-        return 0
-    if hasattr(model, "pieces"):
-        step = tiny_zero.checkpoint.load(args.save_dir, model, opt)["step"]
-    else:
-        saved = torch.load(os.path.join(args.save_dir, "single_device.pt"), weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        step = saved["step"]
-    if rank == 0:
-        print(f"resumed from {args.save_dir} at step {step}")
-    return step
-
-
-@torch.no_grad()
-def evaluate(model, data, args, rank, world_size, device):
-    if args.eval_batches == 0:
-        return math.nan
-    model.eval()
-    total = 0.0
-    for i in range(args.eval_batches):
-        x, y = (t.to(device) for t in data.get_batch("val", args.batch_size, i, args.seed, rank, world_size))
-        total += model(x, y).float().item()
-    model.train()
-    return average_over_ranks(torch.tensor(total / args.eval_batches, device=device))
+    def peak_memory_kind(self):
+        if self.memory is not None:
+            return "live tensor bytes in training and eval, counted by tiny_zero.measure.memory"
+        return "torch.cuda.max_memory_allocated in training and eval"
 
 
 def average_over_ranks(value):
@@ -280,28 +325,6 @@ def average_over_ranks(value):
         dist.all_reduce(value)  # plain torch.distributed: not counted in tiny_zero.comm's stats
         value /= dist.get_world_size()
     return value.item()
-
-
-def reset_peak(memory, device):
-    if memory is not None:
-        memory.reset_peak()
-    elif device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory(memory, device):
-    """Bytes at the peak on this rank, maxed over ranks."""
-    peak = memory.peak if memory is not None else torch.cuda.max_memory_allocated(device)
-    peak = torch.tensor(peak, dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak.item())
-
-
-def peak_memory_kind(memory):
-    if memory is not None:
-        return "live tensor bytes in training and eval, counted by tiny_zero.measure.memory"
-    return "torch.cuda.max_memory_allocated in training and eval"
 
 
 LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",

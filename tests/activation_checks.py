@@ -23,13 +23,20 @@ def run(name, checkpoint_activations):
     model = wrapper_cls(module, **options)
     opt = opt_cls(model, lr=1e-3)
     losses, peaks, sent_in_backward = [], [], []
+    late = []  # how many buckets each backward left to its end (0: all sent during backward)
+    unsent = model.buckets.unsent
+
+    def counted_unsent():
+        rest = unsent()
+        late.append(len(rest))
+        return rest
+    model.buckets.unsent = counted_unsent
     for step in range(STEPS):
         with TensorMemory() as memory:  # counts what the step allocates: activations, grads, gathers
             loss = model(*batch(step))
             model.backward(loss)
         peaks.append(memory.peak)
-        queue = model.queue
-        sent_in_backward.append(queue is not None and queue.next == len(queue.buckets))  # none held back
+        sent_in_backward.append(late[-1] == 0)  # none held back
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -30,10 +30,14 @@ def one_step(name, mixed_precision):
         opt = opt_cls(model, lr=1e-3)
         memory.attach(model, opt)
         samples = []
-        grads = getattr(model, "grads", None)
-        if grads is not None:  # zero2, zero3, fsdp: grads go through bucket buffers
-            add = grads.add
-            grads.add = lambda p, g: (add(p, g), samples.append(memory.breakdown()))
+        if model.buckets.flat is None:  # zero2, zero3, fsdp: grads go through temporary bucket buffers
+            add = model.buckets.add
+
+            def sampled_add(param, grad, send=True):
+                ready = add(param, grad, send)
+                samples.append(memory.breakdown())
+                return ready
+            model.buckets.add = sampled_add
         comm.stats.reset()
         loss = model(*batch())
         after_forward = memory.breakdown()
@@ -42,8 +46,7 @@ def one_step(name, mixed_precision):
         opt.step()
         sent = dict(comm.stats.elements)
         held = memory.breakdown()
-        buckets = getattr(model, "units", None) or model.buckets
-        biggest_bucket = max(b.numel for b in buckets) * torch.finfo(model.reduce_dtype).bits // 8
+        biggest_bucket = max(b.numel for b in model.buckets) * torch.finfo(model.reduce_dtype).bits // 8
         return dict(held=held, after_forward=after_forward, current=memory.current, peak=memory.peak,
                     peak_breakdown=memory.peak_breakdown, sent=sent, samples=samples,
                     biggest_bucket=biggest_bucket)

@@ -51,16 +51,15 @@ def run_world(world_size, module_name, fn_name, *args, timeout=300):
                     raise TimeoutError(f"{fn_name} on {world_size} ranks ran over {timeout} s")
         except mp.ProcessExitedException:
             pass  # the failed rank's traceback is read below
-        results = []
-        for rank in range(world_size):
-            path = Path(store_dir) / f"result{rank}.pkl"
-            if not path.exists():
+        paths = [Path(store_dir) / f"result{rank}.pkl" for rank in range(world_size)]
+        outcomes = [pickle.loads(path.read_bytes()) if path.exists() else None for path in paths]
+        for rank, outcome in enumerate(outcomes):  # the rank that failed first: the others were stopped
+            if outcome is not None and outcome[0] == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{outcome[1]}")
+        for rank, outcome in enumerate(outcomes):
+            if outcome is None:
                 raise RuntimeError(f"rank {rank} died without a result")
-            status, value = pickle.loads(path.read_bytes())
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results.append(value)
-        return results
+        return [value for _, value in outcomes]
 
 
 def run_checks(world_size, module_name, plan, timeout=300):

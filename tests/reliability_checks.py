@@ -17,13 +17,16 @@ def misuse():
         "wrap twice": lambda: tiny_zero.Zero3(model.module),
         "wrong optimizer": lambda: tiny_zero.FSDPAdamW(model, lr=1e-3),
         "plain module": lambda: tiny_zero.DDPAdamW(ParityNet(), lr=1e-3),
-        "step before backward": lambda: tiny_zero.Zero2AdamW(model, lr=1e-3).step(),
     }.items():
         try:
             attempt()
             errors[case] = None
         except (TypeError, RuntimeError) as e:
             errors[case] = str(e)
+    before = model.full_state_dict()
+    tiny_zero.Zero2AdamW(model, lr=1e-3).step()  # before any backward: no grads, so nothing moves, as in torch
+    after = model.full_state_dict()
+    errors["step before backward moved"] = [k for k in before if not torch.equal(before[k], after[k])]
     return errors
 
 

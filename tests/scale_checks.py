@@ -67,12 +67,11 @@ def local_batch(step, micro, rank, world):
 def in_flight(model):
     """Collectives and buffers that should not outlive a step."""
     found = []
-    prefetcher = getattr(model, "prefetcher", None)
-    if prefetcher is not None and prefetcher.in_flight:
-        found.append(f"{len(prefetcher.in_flight)} gathers still in flight")
-    grads = getattr(model, "grads", None)
-    if grads is not None and grads.buffers:
-        found.append(f"{len(grads.buffers)} grad buckets still allocated")
+    if model.in_flight:
+        found.append(f"{len(model.in_flight)} gathers still in flight")
+    temporary = [b for b in model.buckets if model.buckets.flat is None and b.grads is not None]
+    if temporary:
+        found.append(f"{len(temporary)} grad buckets still allocated")
     handles = [b for b in getattr(model, "buckets", getattr(model, "units", [])) if b.handle is not None]
     if handles:
         found.append(f"{len(handles)} bucket collectives not waited for")

@@ -44,8 +44,7 @@ def comm_per_step(name):
     model.backward(model(*my_batch()))
     opt.step()
     numel = sum(p.numel() for p in ChainNet().parameters())
-    units = getattr(model, "units", None) or getattr(model, "buckets", [])
-    padded = sum(b.numel for b in units) if name != "zero3" else numel
+    padded = sum(b.numel for b in model.buckets) if name != "zero3" else numel
     return dict(comm.stats.elements), numel, padded
 
 
@@ -61,27 +60,15 @@ def nothing_stays_gathered(name):
     model = wrap(name, gpt_tiny())
     opt = tiny_zero.STRATEGIES[name][1](model, lr=1e-3)
     x, y = global_batch_tokens()
-    live = {"now": 0, "most": 0}
+    most = {"layers": 0}
 
-    def count_gathers(start_gather):
-        """Count layers gathered and not yet released. (Counting storages
-        instead races with gloo, whose worker thread drops its reference to a
-        finished collective's output a moment after wait() returns.)"""
-        def start(layer):
-            gather = start_gather(layer)
-            live["now"] += 1
-            live["most"] = max(live["most"], live["now"])
-            release = gather.release
+    if name == "fsdp":  # after each unshard: the layer about to compute, and any started ahead
+        unshard = model.unshard
 
-            def counted_release():
-                release()
-                live["now"] -= 1
-            gather.release = counted_release
-            return gather
-        return start
-
-    if name == "fsdp":
-        model.prefetcher.start_gather = count_gathers(model.prefetcher.start_gather)
+        def counted_unshard(layer, **kwargs):
+            unshard(layer, **kwargs)
+            most["layers"] = max(most["layers"], 1 + len(model.in_flight))
+        model.unshard = counted_unshard
     problems = []
     for step in range(3):
         loss = model(x, y)
@@ -90,8 +77,8 @@ def nothing_stays_gathered(name):
         problems += held_full(model, name, f"step {step} after backward")
         opt.step()
         opt.zero_grad()
-    if name == "fsdp" and live["most"] > 2:
-        problems.append(f"{live['most']} units gathered at once (at most 2: current + prefetched)")
+    if name == "fsdp" and most["layers"] > 2:
+        problems.append(f"{most['layers']} layers gathered at once (at most 2: current + prefetched)")
     return problems
 
 
@@ -105,9 +92,10 @@ def global_batch_tokens():
 def held_full(model, name, when):
     bad = []
     for pname, p in model.named_params:
-        owned = name == "zero3" and model.owns(p)
-        if not owned and p.numel() != 0:
-            bad.append(f"rank {dist.get_rank()} {when}: {pname} still holds {p.numel()} elements")
+        owned = name == "zero3" and model.owner[p] == dist.get_rank()
+        held = p.untyped_storage().nbytes() // p.element_size()
+        if not owned and held > 1:  # released: one shared zero, expanded
+            bad.append(f"rank {dist.get_rank()} {when}: {pname} still holds {held} elements")
     return bad
 
 
@@ -131,17 +119,13 @@ def model_state_bytes(name):
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.numel() > 1)
     numel = sum(p.numel() for p in gpt_tiny().parameters())
-    if name == "zero3":
-        share = sum(p.numel() for p in model.optimizer_params())
+    share = sum(s.numel() for s in model.shards)  # what this rank steps
+    if name in ("zero3", "fsdp"):  # params, averaged grads, exp_avg, exp_avg_sq of the share
         expected = 16 * share
-    elif name == "fsdp":
-        share = sum(u.numel for u in model.units) // world
-        expected = 16 * share
-    else:  # all params; zero1 all grads (each rank's chunk averaged in place), zero2 1/N
-        share = sum(b.numel for b in model.buckets) // world
-        grads = share * world * FLOAT_BYTES if name == "zero1" else share * FLOAT_BYTES
+    else:  # all params and a grad shard; zero1 also all local grads, kept through backward
+        grads = (share * world + share) * FLOAT_BYTES if name == "zero1" else share * FLOAT_BYTES
         expected = share * world * FLOAT_BYTES + grads + 8 * share
-    biggest_bucket = max(b.numel for b in model.buckets) * FLOAT_BYTES if hasattr(model, "buckets") else 0
+    biggest_bucket = max(b.numel for b in model.buckets) * FLOAT_BYTES
     return dict(held=held, expected=expected, state=state, share=share, numel=numel,
                 after_backward=after_backward, biggest_bucket=biggest_bucket)
 
@@ -186,10 +170,8 @@ def gpt2_xl_meta_memory(name, rank, world_size=4):
         largest = max(p.numel() for p in module.parameters()) * FLOAT_BYTES
         with TensorMemory() as memory:
             model = wrap(name, module)
-            if name == "zero3":  # owned tensors; grads come with the first backward
-                share = sum(p.numel() for p in model.optimizer_params()) * FLOAT_BYTES
-            else:  # each unit's slice, and its grad slice (allocated at wrap time)
-                share = 2 * sum(u.shard.numel() for u in model.units) * FLOAT_BYTES
+            # owned tensors (zero3) or each unit's slice (fsdp); grads come with the first backward
+            share = sum(s.numel() for s in model.shards) * FLOAT_BYTES
         return dict(peak=memory.peak, current=memory.current, share=share, largest=largest)
     finally:
         dist.destroy_process_group()

@@ -495,7 +495,7 @@ def held_elements(strategy, n):
     fp32 between steps, from the strategy's own layout code."""
     import torch.nn as nn
     from example.model import build_model
-    from tiny_zero.buckets import make_buckets
+    from tiny_zero.comm import make_buckets
     from tiny_zero.fsdp.wrapper import layer_units
     from tiny_zero.zero3.wrapper import loads, owner_table
 
@@ -509,7 +509,7 @@ def held_elements(strategy, n):
         wrapper = resolve(f"tiny_zero.{strategy}.wrapper").__dict__[strategy.capitalize()]
         bucket_bytes = inspect.signature(wrapper.__init__).parameters["bucket_bytes"].default
         padded = sum(b.numel for b in make_buckets(params[::-1], bucket_bytes, pad_to=n))
-        grads = padded if strategy == "zero1" else padded // n
+        grads = padded + padded // n if strategy == "zero1" else padded // n
         return [(padded, grads, padded // n)] * n
     if strategy == "zero3":
         shapes = [(name, p.numel()) for name, p in named]

@@ -31,7 +31,7 @@ TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-batch
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 STEPS, SAVE_EVERY = 40, 5
 STEPS_DIVERGING = 6
-DIVERGING = ["--steps", str(STEPS_DIVERGING), "--lr", "1e3"]  # weights ~1e3 after a step or two: the loss turns nan
+DIVERGING = ["--steps", str(STEPS_DIVERGING), "--lr", "1e3", "--weight-decay", "10"]  # weights grow ~1e4 times a step: the loss turns nan
 
 
 def script(strategy):

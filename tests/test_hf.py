@@ -39,8 +39,6 @@ from tiny_zero.module import FOREIGN, CallbackLayer, Conv1D, swap_layers  # noqa
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 MODELS = ["llama", "qwen2", "gpt2"]
-# ddp, zero1 and zero2 take models built on meta once the wrapper base is rewritten
-META_PENDING = {"ddp", "zero1", "zero2"}
 
 
 # ---------------------------------------------------------------- layers
@@ -205,9 +203,7 @@ def test_each_rank_reads_only_what_it_holds(world2, strategy):
             assert held <= read <= held + 2 * 48 * pieces and read < 0.7 * total, (read, held, pieces, total)
 
 
-@pytest.mark.parametrize("strategy", [
-    pytest.param(s, marks=pytest.mark.xfail(reason="needs the rewritten wrapper base", strict=True))
-    if s in META_PENDING else s for s in STRATEGIES])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_load_pretrained_into_a_model_built_on_meta(world2, strategy):
     """Built under meta_parameters(): the saved weights, the original's
     outputs; forward before loading raises; built entirely on meta, the
@@ -281,23 +277,11 @@ def byte_llama(tmp_path_factory):
     return directory
 
 
-def example_losses(byte_llama, strategies):
+def test_examples_train_a_saved_hf_model(byte_llama):
+    """--model hf:DIR: every strategy on 2 ranks prints the losses of one device."""
     from test_examples import one_device_and_two_ranks
     flags = ["--model", f"hf:{byte_llama}", "--seq-len", "32", "--eval-batches", "1", "--steps", "3"]
-    return one_device_and_two_ranks(flags, strategies)
-
-
-def test_examples_train_a_saved_hf_model(byte_llama):
-    """--model hf:DIR: each strategy on 2 ranks prints the losses of one device."""
-    single, ranks = example_losses(byte_llama, ["zero3", "fsdp"])
-    assert list(ranks) == ["zero3", "fsdp"] and len(single) == 3
-    for strategy, curve in ranks.items():
-        assert curve == pytest.approx(single, rel=1e-5, abs=0), strategy
-
-
-@pytest.mark.xfail(reason="ddp, zero1 and zero2 take models built on meta after the wrapper rewrite", strict=True)
-def test_examples_train_a_saved_hf_model_pending(byte_llama):
-    single, ranks = example_losses(byte_llama, sorted(META_PENDING))
-    assert list(ranks) == sorted(META_PENDING)
+    single, ranks = one_device_and_two_ranks(flags, STRATEGIES)
+    assert list(ranks) == STRATEGIES and len(single) == 3
     for strategy, curve in ranks.items():
         assert curve == pytest.approx(single, rel=1e-5, abs=0), strategy

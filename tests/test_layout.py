@@ -1,13 +1,22 @@
-"""The strategy folders stay parallel, so that `diff -ru tiny_zero/zero2
-tiny_zero/zero3` shows only what the strategy changes.
+"""The house: each strategy folder tells its strategy's story, and the
+folders stay parallel, so that `diff -ru tiny_zero/zero2 tiny_zero/zero3`
+shows what one more level of sharding changes.
 
-Each of ddp, zero1, zero2, zero3 and fsdp has the same four files, the same
-public names per role (the <Prefix>Layer mixin and LAYER_CLASSES in
-layers.py, the wrapper in wrapper.py, <Prefix>AdamW in optim.py), and a
-docstring at the top of each file that says what the strategy holds and
-sends. Logic shared by strategies lives in one place, not in copies.
+- ddp, zero1, zero2, zero3 and fsdp have the same four files, the same
+  public names per role (the <Prefix>Layer mixin and LAYER_CLASSES in
+  layers.py, the wrapper in wrapper.py, <Prefix>AdamW in optim.py), and a
+  docstring on top of each file that says what the strategy holds and sends.
+- A reader follows one training step in the folder plus at most three shared
+  files: the ones the folder imports, listed in its page's reading order.
+- Every `# STRATEGY` line is inside a strategy folder. A short function of
+  such lines may stand in two folders (the same collective in zero1 and
+  zero2, say); any other copied function body may not: shared logic lives
+  in one place.
+- No import runs back up: nothing inside the package imports a name from its
+  __init__, and the shared files import no strategy folder and no tooling.
 """
 import ast
+import re
 import sys
 from itertools import combinations
 from pathlib import Path
@@ -18,16 +27,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tiny_zero  # noqa: E402
-from tiny_zero.module import DEFAULT_CLASSES  # noqa: E402
-from tiny_zero.strategy import StrategyAdamW, Wrapper  # noqa: E402
+from tiny_zero.module.swap import DEFAULT_CLASSES  # noqa: E402
+from tiny_zero.strategy import StrategyAdamW, StrategyLayer, Wrapper  # noqa: E402
 
 NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 FILES = {"__init__.py", "layers.py", "wrapper.py", "optim.py"}
 DOCUMENTED = ["layers.py", "wrapper.py", "optim.py"]  # the files a reader reads top to bottom
+PACKAGE = ROOT / "tiny_zero"
+TOOLING = ("checkpoint", "measure")
+MOST_SHARED_FILES = 3
+MOST_COPIED_LINES = 6  # a function body marked # STRATEGY this short may stand in two folders
 
 
 def folder(name):
-    return ROOT / "tiny_zero" / name
+    return PACKAGE / name
 
 
 def tree(path):
@@ -49,8 +62,8 @@ def prefix(name):
     return tiny_zero.STRATEGIES[name][0].__name__
 
 
-def test_strategies_are_the_five_names():
-    assert list(tiny_zero.STRATEGIES) == NAMES
+def test_the_strategies_include_the_five_data_parallel_ones():
+    assert list(tiny_zero.STRATEGIES)[:5] == NAMES
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -64,17 +77,17 @@ def test_layers_define_the_mixin_and_layer_classes(name):
     names = top_level_names(folder(name) / "layers.py")
     expected = {prefix(name) + "Layer", "LAYER_CLASSES"}
     assert expected <= names, f"tiny_zero/{name}/layers.py lacks {sorted(expected - names)}"
-
     module = __import__(f"tiny_zero.{name}.layers", fromlist=["LAYER_CLASSES"])
-    assert set(module.LAYER_CLASSES) == set(DEFAULT_CLASSES)  # nn.Linear ... nn.RMSNorm, Conv1D
-    for kind, cls in module.LAYER_CLASSES.items():
-        assert cls.__name__ == prefix(name) + kind.__name__
-        assert issubclass(cls, DEFAULT_CLASSES[kind])
+    mixin = getattr(module, prefix(name) + "Layer")
+    assert set(module.LAYER_CLASSES) == set(DEFAULT_CLASSES)
+    for torch_class, cls in module.LAYER_CLASSES.items():
+        assert cls.__name__ == prefix(name) + DEFAULT_CLASSES[torch_class].__name__
+        assert cls.__mro__[1:4] == (StrategyLayer, mixin, DEFAULT_CLASSES[torch_class])
     assert tiny_zero.STRATEGIES[name][0].layer_classes is module.LAYER_CLASSES
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_model_and_optim_define_the_registered_classes(name):
+def test_wrapper_and_optim_define_the_registered_classes(name):
     wrapper, optimizer = tiny_zero.STRATEGIES[name]
     assert wrapper.__name__ in top_level_names(folder(name) / "wrapper.py")
     assert wrapper.__module__ == f"tiny_zero.{name}.wrapper" and issubclass(wrapper, Wrapper)
@@ -83,6 +96,26 @@ def test_model_and_optim_define_the_registered_classes(name):
     assert optimizer.__module__ == f"tiny_zero.{name}.optim" and issubclass(optimizer, StrategyAdamW)
     package = __import__(f"tiny_zero.{name}", fromlist=["__all__"])
     assert sorted(package.__all__) == sorted([wrapper.__name__, optimizer.__name__])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_hook_of_the_base_wrapper_is_filled_in(name):
+    wrapper = tiny_zero.STRATEGIES[name][0]
+    hooks = [n for n, f in vars(Wrapper).items() if callable(f) and raises_not_implemented(f)]
+    assert hooks, "the base wrapper declares no hook"
+    missing = [h for h in hooks if getattr(wrapper, h) is getattr(Wrapper, h)]
+    assert not missing, f"{wrapper.__name__} does not fill in {missing}"
+
+
+def raises_not_implemented(function):
+    body = ast.parse(ast.unparse(tree_of(function))).body[0].body
+    return any(isinstance(node, ast.Raise) and "NotImplementedError" in ast.unparse(node) for node in body)
+
+
+def tree_of(function):
+    import inspect
+    import textwrap
+    return ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -95,33 +128,132 @@ def test_each_file_starts_with_a_docstring(name, file):
         f"tiny_zero/{name}/{file} does not start with a docstring"
 
 
+# ---------------------------------------------------------------- repetition
+
 def functions(path):
-    """(qualified name, normalised source) of every function with a body of
-    at least three statements: small ones (`pass`, one-line getters) may
-    legitimately look alike."""
+    """(qualified name, normalised body, code lines, marked lines) of every
+    function with a body of at least three statements: one-liners (a hook
+    that calls a shared helper, say) may legitimately look alike."""
+    text = path.read_text().splitlines()
     found = []
 
-    def walk(node, prefix_):
+    def walk(node, qualified):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.ClassDef):
-                walk(child, prefix_ + child.name + ".")
+                walk(child, qualified + child.name + ".")
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                statements = sum(isinstance(n, ast.stmt) for n in ast.walk(child)) - 1
-                if statements >= 3:
-                    body = ast.Module(body=child.body, type_ignores=[])
-                    found.append((prefix_ + child.name, ast.dump(body)))
+                if sum(isinstance(n, ast.stmt) for n in ast.walk(child)) - 1 >= 3:
+                    lines = text[child.body[0].lineno - 1:child.end_lineno]
+                    code = [line for line in lines if line.split("#", 1)[0].strip()]
+                    found.append((qualified + child.name, ast.dump(ast.Module(body=child.body, type_ignores=[])),
+                                  len(code), sum("# STRATEGY" in line for line in code)))
     walk(tree(path), "")
     return found
 
 
 def test_no_logic_is_copied_between_strategy_folders():
-    """Shared logic lives in module/, optim/ or a shared helper: no function
-    body of three or more statements appears in two strategy folders."""
+    """Shared logic lives in a shared file: no function body of three or more
+    statements stands in two strategy folders, unless it is a few lines that
+    are the strategy itself (at most MOST_COPIED_LINES, some marked # STRATEGY:
+    zero1's and zero2's all-gather after the step, say)."""
     bodies = {name: {} for name in NAMES}
     for name in NAMES:
         for file in sorted(FILES):
-            for qualname, dump in functions(folder(name) / file):
-                bodies[name][dump] = f"tiny_zero/{name}/{file}: {qualname}"
-    copies = [(bodies[a][d], bodies[b][d]) for a, b in combinations(NAMES, 2)
-              for d in set(bodies[a]) & set(bodies[b])]
+            for qualified, dump, lines, marked in functions(folder(name) / file):
+                bodies[name][dump] = (f"tiny_zero/{name}/{file}: {qualified}", lines, marked)
+    copies = [(bodies[a][d][0], bodies[b][d][0]) for a, b in combinations(NAMES, 2)
+              for d in set(bodies[a]) & set(bodies[b])
+              if bodies[a][d][1] > MOST_COPIED_LINES or not bodies[a][d][2]]
     assert not copies, f"the same function body in two strategies (share it instead): {copies}"
+
+
+def test_every_strategy_line_is_in_a_strategy_folder():
+    outside = [f"{path.relative_to(ROOT)}:{n}" for path in PACKAGE.rglob("*.py")
+               if path.parent.name not in NAMES
+               for n, line in enumerate(path.read_text().splitlines(), 1) if "# STRATEGY" in line]
+    assert not outside, f"# STRATEGY lines outside the strategy folders: {outside}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_folder_marks_its_strategy(name):
+    marked = sum("# STRATEGY" in line for file in DOCUMENTED for line in (folder(name) / file).read_text().splitlines())
+    assert marked >= 2, f"tiny_zero/{name} marks {marked} lines # STRATEGY"
+
+
+# ---------------------------------------------------------------- imports
+
+def imported_files(path):
+    """The package files that `path` imports from (relative imports), as
+    paths relative to ROOT: a name from a package resolves to its own file."""
+    found = set()
+    base = path.parent
+    for node in ast.walk(tree(path)):
+        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            continue
+        package = base
+        for _ in range(node.level - 1):
+            package = package.parent
+        target = package.joinpath(*node.module.split(".")) if node.module else package
+        for alias in node.names:
+            found.add(defining_file(target, alias.name))
+    return {f.relative_to(ROOT).as_posix() for f in found}
+
+
+def defining_file(target, name):
+    if (target / f"{name}.py").is_file():  # `from .. import comm`
+        return target / f"{name}.py"
+    if target.is_dir():  # `from ..module import expects_backward`: the file of the package that defines it
+        for file in sorted(target.glob("*.py")):
+            if name in top_level_names(file) and file.name != "__init__.py":
+                return file
+        return target / "__init__.py"
+    return target.with_suffix(".py")
+
+
+def shared_files(name):
+    return sorted(f for file in FILES for f in imported_files(folder(name) / file)
+                  if not f.startswith(f"tiny_zero/{name}/"))
+
+
+def reading_order(name):
+    """The tiny_zero files listed under the page's "Reading order" heading."""
+    page = (ROOT / "docs" / f"{name}.md").read_text()
+    section = re.search(r"^## Reading order\n(.*?)(?=^## |\Z)", page, re.MULTILINE | re.DOTALL)
+    assert section, f"docs/{name}.md has no '## Reading order' section"
+    return re.findall(r"(tiny_zero/[\w/]+\.py)", section.group(1))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_step_reads_in_the_folder_and_at_most_three_shared_files(name):
+    shared = sorted(set(shared_files(name)))
+    assert len(shared) <= MOST_SHARED_FILES, f"tiny_zero/{name} imports {shared}"
+    order = reading_order(name)
+    own = {f"tiny_zero/{name}/{f}" for f in DOCUMENTED}
+    assert own | set(shared) <= set(order), f"docs/{name}.md's reading order {order} lacks some of {own} {shared}"
+    assert len(set(order) - own) <= MOST_SHARED_FILES, f"docs/{name}.md's reading order {order}"
+
+
+def test_no_import_runs_back_up():
+    """Nothing inside the package imports from its __init__ (only
+    submodules); the shared files import no strategy folder and no tooling."""
+    problems = []
+    strategies = set(NAMES)
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        for node in ast.walk(tree(path)):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "tiny_zero" for a in node.names):
+                problems.append(f"{rel}: import tiny_zero")
+            if isinstance(node, ast.ImportFrom) and node.level and not node.module:
+                package = path.parent
+                for _ in range(node.level - 1):
+                    package = package.parent
+                for alias in node.names:  # `from .. import x`: x must be a submodule
+                    if not ((package / f"{alias.name}.py").is_file() or (package / alias.name).is_dir()):
+                        problems.append(f"{rel}: imports {alias.name} from a package __init__")
+        top = rel.parts[0]
+        if top not in strategies and top not in TOOLING and top != "__init__.py":
+            for f in imported_files(path):
+                part = f.split("/")[1]
+                if part in strategies or part in TOOLING:
+                    problems.append(f"{rel}: a shared file imports {f}")
+    assert not problems, problems

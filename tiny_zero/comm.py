@@ -1,23 +1,34 @@
-"""Every collective that tiny_zero sends goes through these few functions.
+"""Communication: every collective tiny_zero sends, counted, and the two
+mechanisms that tell a strategy *when* to send. They make no strategy
+decision: what to send, where, and when to wait and free is in the strategy
+folders.
 
-They are thin: each calls torch.distributed and records what it moved in
-`stats`, so tests and benchmarks can count a strategy's traffic per step.
-`elements` is the size of the whole collective (the full buffer: what an
-all-reduce reduces, what a reduce-scatter scatters, what an all-gather
-gathers); each rank sends and receives about (N-1)/N of that.
-
-Each returns a Pending, whose wait() gives up after `timeout` (default 10
-minutes; set_timeout changes it) with an error that names the collective and
-where it was started (`where`, which the layers keep up to date: "blocks.3.
-attn.c_proj backward"). A rank that skipped a forward or backward the others
-ran cannot be detected in advance; this turns the hang into that error.
-On CUDA the wait stays asynchronous (the GPU stream waits, not the CPU), so
-there the process group's own timeout applies, without the layer's name.
+Collectives: all_reduce, reduce_scatter, all_gather, broadcast, reduce.
+    Thin calls of torch.distributed that record what they move in `stats`
+    (calls, elements and bytes per kind: the whole buffer of the collective;
+    each rank sends and receives about (N-1)/N of it). Each returns a Pending
+    whose wait() gives up after `timeout` (10 minutes; set_timeout) with an
+    error that names the collective and where it started (`where`, which the
+    layers keep up to date: "blocks.3.attn.c_proj backward"). On CUDA the wait
+    stays asynchronous (the stream waits, not the CPU): there the process
+    group's own timeout applies.
+agree(what, **values): every rank checks that every rank passed the same
+    integers, on a side channel (a gloo group of its own, CPU tensors), before
+    the collectives that would otherwise mismatch or hang; the same clear error
+    on every rank if not.
+Buckets: gradient buckets in the order their grads become final, and which
+    of them may be sent now.
+LayerOrder: the order in which layers run, recorded on the first step: what
+    comes next, so that its parameters can be gathered ahead of time.
 """
 from collections import defaultdict
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # every strategy's default bucket_bytes, as torch DDP's
 
 timeout = timedelta(minutes=10)
 where = "setup"  # what the strategy is doing now
@@ -29,8 +40,14 @@ def set_timeout(seconds):
 
 
 class CollectiveError(RuntimeError):
-    pass
+    """A collective failed or timed out: a rank skipped what the others ran, or died."""
 
+
+class DisagreementError(RuntimeError):
+    """The ranks were about to run different collectives: raised on every rank alike."""
+
+
+# ---------------------------------------------------------------- collectives
 
 class Pending:
     """A collective in flight."""
@@ -52,18 +69,6 @@ class Pending:
                 f"backward that the others ran, or died ({e})") from e
 
 
-def _run(kind, tensor, launch, async_op):
-    stats.record(kind, tensor)
-    pending = Pending(launch(), kind, tensor)
-    if async_op:
-        return pending
-    pending.wait()
-
-# torch 2.13 renamed the single-tensor collectives; 2.11 has only the old names
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class CommStats:
     def __init__(self):
         self.reset()
@@ -82,30 +87,296 @@ class CommStats:
 stats = CommStats()
 
 
-def all_reduce(tensor, async_op=False):
-    return _run("all_reduce", tensor, lambda: dist.all_reduce(tensor, async_op=True), async_op)
+def _run(kind, tensor, launch, async_op):
+    stats.record(kind, tensor)
+    pending = Pending(launch(), kind, tensor)
+    if async_op:
+        return pending
+    pending.wait()
 
 
-def reduce_scatter(out, full, async_op=False):
+# torch 2.13 renamed the single-tensor collectives; 2.11 has only the old names
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_reduce(tensor, async_op=False, group=None):
+    return _run("all_reduce", tensor, lambda: dist.all_reduce(tensor, group=group, async_op=True), async_op)
+
+
+def reduce_scatter(out, full, async_op=False, group=None):
     """Sum `full` over ranks; this rank keeps chunk `rank` of it in `out`."""
-    return _run("reduce_scatter", full, lambda: _reduce_scatter(out, full, async_op=True), async_op)
+    return _run("reduce_scatter", full, lambda: _reduce_scatter(out, full, group=group, async_op=True), async_op)
 
 
-def all_gather(full, chunk, async_op=False):
+def all_gather(full, chunk, async_op=False, group=None):
     """Concatenate every rank's `chunk` into `full` (chunk may be a view of full)."""
-    return _run("all_gather", full, lambda: _all_gather(full, chunk, async_op=True), async_op)
+    return _run("all_gather", full, lambda: _all_gather(full, chunk, group=group, async_op=True), async_op)
 
 
-def broadcast(tensor, src, async_op=False):
-    return _run("broadcast", tensor, lambda: dist.broadcast(tensor, src, async_op=True), async_op)
+def broadcast(tensor, src, async_op=False, group=None):
+    return _run("broadcast", tensor, lambda: dist.broadcast(tensor, src, group=group, async_op=True), async_op)
 
 
-def reduce(tensor, dst, async_op=False):
-    """Sum `tensor` over ranks into rank `dst`."""
-    return _run("reduce", tensor, lambda: dist.reduce(tensor, dst, async_op=True), async_op)
+def reduce(tensor, dst, async_op=False, group=None):
+    """Sum `tensor` over ranks into rank `dst` (in place there)."""
+    return _run("reduce", tensor, lambda: dist.reduce(tensor, dst, group=group, async_op=True), async_op)
 
 
 def all_gather_object(obj):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+# ---------------------------------------------------------------- agreement
+
+_side_groups = {}
+
+
+def open_side_channel():
+    """Create the side group agree() uses. Collective: every rank calls it at
+    the same point (the wrappers do, at wrap time)."""
+    world = dist.group.WORLD
+    if world not in _side_groups and _has_peers():
+        _side_groups[world] = dist.new_group(backend="gloo")
+
+
+def _has_peers():
+    """More than one rank, and real ones (torch's fake process group, which
+    simulates a large world in one process, has none to agree with)."""
+    return dist.get_world_size() > 1 and dist.get_backend() != "fake"
+
+
+def agree(what, **values):
+    """Check that every rank passed the same integers (one small all-reduce on
+    the side group); raise DisagreementError, the same on every rank, if not."""
+    if not _has_peers():
+        return
+    names = list(values)
+    # bookkeeping, not the model's memory: out of sight of tensor-counting modes
+    # (whose counts gloo's worker thread would otherwise race when it lets go)
+    with _disable_current_modes():
+        everyone = torch.tensor([values[n] for n in names] + [-values[n] for n in names], dtype=torch.int64)
+        work = dist.all_reduce(everyone, op=dist.ReduceOp.MAX, group=_side_groups[dist.group.WORLD], async_op=True)
+        Pending(work, f"the agreement on {what}", everyone).wait()
+    n = len(names)
+    differ = [f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {values[name]})"
+              for i, name in enumerate(names) if everyone[i] != -everyone[n + i]]
+    if differ:
+        raise DisagreementError(f"ranks disagree on {what}: {'; '.join(differ)}. Every rank must run the same "
+                                "forward, backward, no_sync() and optimizer steps")
+
+
+# ---------------------------------------------------------------- buckets
+
+def round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+class Bucket:
+    """Parameters whose grads travel in one collective, laid out flat: p at
+    [offsets[p], offsets[p] + p.numel()), the whole padded to numel, a multiple
+    of pad_to (so N ranks get equal chunks).
+
+    grads   this rank's grads of these parameters, flat (None: none yet)
+    fresh   a grad was added since the bucket was last handed out to be sent
+    handle  the strategy's collective in flight for this bucket (a Pending)
+    """
+
+    def __init__(self, index, params, pad_to=1):
+        self.index = index
+        self.params = params
+        self.offsets, self.shapes, size = {}, {}, 0
+        for p in params:  # shapes are kept: a sharded parameter's own shape changes
+            self.offsets[p], self.shapes[p] = size, p.shape
+            size += p.numel()
+        self.numel = round_up(size, pad_to)
+        self.start = 0  # where this bucket begins in a flat buffer of all buckets
+        self.grads = None
+        self.fresh = False
+        self.handle = None  # the strategy's collective in flight for this bucket
+
+    def view(self, flat, p):
+        """p's place in a flat buffer that holds every bucket."""
+        return self.own_view(flat[self.start:], p)
+
+    def own_view(self, buffer, p):
+        """p's place in a buffer that holds this bucket alone."""
+        begin, shape = self.offsets[p], self.shapes[p]
+        return buffer[begin:begin + shape.numel()].view(shape)
+
+    def range(self, flat):
+        return flat[self.start:self.start + self.numel]
+
+    def chunk(self, flat, rank, world_size):
+        """Rank `rank`'s 1/N of this bucket inside a flat buffer of all buckets."""
+        size = self.numel // world_size
+        return flat[self.start + rank * size:self.start + (rank + 1) * size]
+
+
+def make_buckets(params, bucket_bytes, pad_to=1):
+    """Cut `params` (in gradient-ready order) into runs of at most
+    bucket_bytes each (a larger parameter gets a bucket of its own)."""
+    runs, run, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if run and size + nbytes > bucket_bytes:
+            runs.append(run)
+            run, size = [], 0
+        run.append(p)
+        size += nbytes
+    if run:
+        runs.append(run)
+    return buckets_from_runs(runs, pad_to)
+
+
+def buckets_from_runs(runs, pad_to=1):
+    """Buckets for lists of parameters, laid out one after another."""
+    buckets = [Bucket(i, run, pad_to) for i, run in enumerate(runs)]
+    start = 0
+    for b in buckets:
+        b.start = start
+        start += b.numel
+    return buckets
+
+
+class Buckets:
+    """A strategy's gradient buckets, and when each may be sent.
+
+    Parameters are bucketed in the order their grads become final in backward
+    (for a model built layer after layer, the reverse of registration order).
+    A parameter used k times in a forward gets k grad contributions in its
+    backward; its grad is final after the last. A bucket may be sent once all
+    its parameters are final and every bucket before it was sent, so every
+    rank sends the same buckets in the same order.
+
+    flat: one buffer that holds every bucket's grads (ddp, zero1: they persist);
+    None: a bucket's grads buffer is made at its first grad, and the strategy
+    drops it once sent (zero2, zero3, fsdp).
+    """
+
+    def __init__(self, buckets, dtype, device, flat=None):
+        self.list = buckets
+        self.of = {p: b for b in buckets for p in b.params}
+        self.dtype, self.device, self.flat = dtype, device, flat
+        if flat is not None:
+            for b in buckets:
+                b.grads = b.range(flat)
+        self.got_grad = set()  # parameters that got a grad since clear()
+        self.pending = defaultdict(int)  # parameter -> uses whose backward has not run yet
+        self.waiting = {b: 0 for b in buckets}  # bucket -> parameters with pending uses
+        self.next = 0  # index of the next bucket to send
+
+    def __iter__(self):
+        return iter(self.list)
+
+    def used_in_forward(self, params):
+        for p in params:
+            if p in self.of:
+                if self.pending[p] == 0:
+                    self.waiting[self.of[p]] += 1
+                self.pending[p] += 1
+
+    def add(self, param, grad, send=True):
+        """Add one grad contribution into param's bucket; return the buckets
+        that may be sent now (none when `send` is False: under no_sync)."""
+        bucket = self.of[param]
+        if bucket.grads is None:
+            bucket.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+        bucket.own_view(bucket.grads, param).add_(grad)
+        bucket.fresh = True
+        self.got_grad.add(param)
+        if self.pending[param] > 0:
+            self.pending[param] -= 1
+            if self.pending[param] == 0:
+                self.waiting[bucket] -= 1
+        return self.ready() if send else []
+
+    def ready(self):
+        out = []
+        while self.next < len(self.list) and self.waiting[self.list[self.next]] == 0:
+            out.append(self.list[self.next])
+            self.next += 1
+        return self._to_send(out)
+
+    def unsent(self):
+        """The buckets backward did not hand out (their parameters got no
+        grad after the others): send them now."""
+        rest = self.list[self.next:]
+        self.next = len(self.list)
+        return self._to_send(rest)
+
+    def _to_send(self, buckets):
+        """Those with a grad since they were last sent: a bucket with none is
+        skipped, alike on every rank (every rank ran the same layers)."""
+        fresh = [b for b in buckets if b.fresh]
+        for b in fresh:
+            b.fresh = False
+        return fresh
+
+    def end_backward(self):
+        """A backward pass is over: the next one counts uses afresh."""
+        self.next = 0
+        self.pending.clear()
+        self.waiting = dict.fromkeys(self.list, 0)
+
+    def clear(self, keep_got_grad=False):
+        """zero_grad: the local grads go (zeroed where they persist); with
+        keep_got_grad (zero_grad(set_to_none=False)) parameters keep having a grad."""
+        if not keep_got_grad:
+            self.got_grad.clear()
+        for b in self.list:
+            b.fresh = False
+            if self.flat is None:
+                b.grads = None
+        if self.flat is not None:
+            self.flat.zero_()
+
+
+# ---------------------------------------------------------------- layer order
+
+class LayerOrder:
+    """The order in which layers run forward, recorded on the first step that
+    trains (a layer called twice appears twice; every rank records the same
+    order). Afterwards it predicts the layer after this one, in forward and,
+    walking the order backwards, in backward, so its parameters can be
+    gathered while this one computes.
+
+    A layer that arrives where the order did not expect it (eval with another
+    path, a layer skipped this step) is gathered on the spot; before that,
+    every rank agrees that it is the same layer, so a rank that really went
+    another way gets a clear error instead of mismatched collectives.
+    """
+
+    def __init__(self):
+        self.order = []
+        self.recording = True
+        self.position = 0  # forward: calls done; backward: calls left
+
+    def forward(self, layer, expected, training):
+        """layer is about to run forward; `expected`: it was gathered ahead.
+        Returns the layer predicted to run next (None at the end or while recording)."""
+        if self.recording:
+            if training:  # only a forward that backward will follow sets the order
+                self.order.append(layer)
+            agree("the layer to gather in forward", layer=layer.index)
+            return None
+        if self.position >= len(self.order) or self.order[self.position] is not layer:
+            self.position = self.order.index(layer) if layer in self.order else len(self.order)
+        if not expected:
+            agree("the layer to gather in forward", layer=layer.index)
+        self.position += 1
+        return self.order[self.position] if self.position < len(self.order) else None
+
+    def backward(self, layer, expected):
+        """The same, before layer's backward, walking the order in reverse."""
+        if self.recording:  # the first backward ends the recording
+            self.recording = False
+            self.position = len(self.order)
+        if self.position <= 0 or self.order[self.position - 1] is not layer:
+            self.position = len(self.order) - self.order[::-1].index(layer) if layer in self.order else 0
+        if not expected:
+            agree("the layer to gather in backward", layer=layer.index)
+        self.position -= 1
+        return self.order[self.position - 1] if self.position > 0 else None

@@ -1,87 +1,99 @@
-"""What every strategy's model wrapper shares.
+"""The base of every strategy: its layers' bookkeeping, its wrapper, its optimizer.
 
-A strategy's wrapper (DDP, Zero1, ...) subclasses Wrapper and sets
-`layer_classes`: its own Linear/LayerNorm/Embedding subclasses. Wrapper checks
-the model, converts its layers, and gives each layer a reference back to the
-wrapper, which owns the strategy's buffers. The strategy fills in:
+A strategy is a folder of three files:
 
-    queue               a BucketQueue, if backward sends buckets as they fill
-    sync_grads()        finish the gradient collectives: after it, each rank's
-                        grads are averaged over ranks (called once per step)
-    optimizer_params()  the tensors this rank's optimizer steps
-    grads_of            {optimizer param: its averaged grad} (any float dtype)
-    after_step()        what follows the optimizer step (zero1/2: all-gather)
-    gather_full()       {parameter: full fp32 value}, from the fp32 masters
-    pieces()            where this rank's part of each parameter lives (Piece)
+    layers.py   <Name>Layer, a mixin of layer callbacks: what happens around a
+                layer's math (gather before, free after, where each grad goes)
+    wrapper.py  <Name>, the wrapper: what a rank holds, and the collectives
+    optim.py    <Name>AdamW: this file's StrategyAdamW, pointed at that wrapper
 
-Under mixed precision the parameters are bf16/fp16, the grads are reduced in
-`reduce_dtype` (the parameter dtype unless asked otherwise), and the
-optimizer keeps the fp32 masters (master() finds them).
+One training step, as every strategy runs it:
+
+    model(x)          each layer: StrategyLayer's bookkeeping, the mixin's
+                      forward_callback, the layer's math (tiny_zero/module)
+    loss.backward()   each layer's backward_callback; each parameter's grad goes
+                      to the mixin's accumulate_grad, which adds it to a bucket
+                      and sends a bucket once its grads are final. At the end of
+                      the backward pass: reduce_grads(), and p.grad is set
+    opt.step()        AdamW on model.shards with model.grads, per parameter
+                      group; then sync_params()
+    opt.zero_grad()   clear_grads()
+
+Gradients, one vocabulary:
+
+    grad          a gradient this rank's backward computed (local, its batch only)
+    bucket.grads  the local grads of one bucket's parameters, flat, to be sent
+    model.grads   {shard: its averaged grad}: what the optimizer steps with. They
+                  add up over backward passes until zero_grad(), as p.grad in torch
+
+The wrapper follows torch's training loop: a frozen parameter (requires_grad
+False when wrapped) is never sent or stepped; a parameter whose p.grad is None
+is not stepped and keeps its step count; each backward outside no_sync()
+averages, and the averages add up; param groups and lr schedulers work as in
+torch.optim. Ranks that are about to run different collectives find out
+first (comm.agree) and raise the same error.
 """
 import logging
 from collections import namedtuple
 from contextlib import contextmanager
+from itertools import groupby
 
 import torch
 import torch.nn as nn
 
 from . import comm
 from .distributed import init_distributed, local_device
-from .module import CallbackLayer, check_supported, swap_layers
-from .optim import AdamW
+from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash
+from .materialize import full_value, set_data
+from .module import CallbackLayer, check_supported, expects_backward, in_backward_pass, swap_layers
+from .module import layer_classes as module_layer_classes
+from .optim import adamw_update_
+from .optim.adamw import check_hparams
 from .precision import LossScaler, param_dtype
+from .state_dicts import OptimizerStateDicts, WrapperStateDicts
 
 log = logging.getLogger("tiny_zero")
 
-
-# Elements [lo, hi) of parameter `name` (flattened, full shape `shape`) are
-# held by this rank at tensor.view(-1)[offset:offset + hi - lo], where
-# `tensor` is one of the optimizer's parameters (model.optimizer_params()).
-Piece = namedtuple("Piece", "name shape lo hi tensor offset")
-
-
-def flat_pieces(names, bucket, chunk, chunk_start):
-    """Pieces of the params of `bucket` (a run laid out flat) that fall in
-    [chunk_start, chunk_start + chunk.numel()) of the bucket: zero1/2, fsdp."""
-    pieces = []
-    for p in bucket.params:
-        begin, shape = bucket.offsets[p], bucket.shapes[p]
-        lo, hi = max(begin, chunk_start), min(begin + shape.numel(), chunk_start + chunk.numel())
-        if lo < hi:
-            pieces.append(Piece(names[p], shape, lo - begin, hi - begin, chunk, lo - chunk_start))
-    return pieces
-
-
-def recomputing():
-    """True for a forward run inside backward: activation checkpointing
-    recomputing a block. Its parameters get no extra grad contribution."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def expects_backward(ctx):
-    """A forward that a backward will follow (not under no_grad, not a recompute)."""
-    return any(ctx.needs_input_grad) and not recomputing()
+# Elements [lo, hi) of parameter `name` (flattened; full shape `shape`) are
+# held by this rank at tensor[offset:offset + hi - lo], where `tensor` is one
+# of model.shards (1-D fp32: what the optimizer steps) or, for a frozen
+# parameter, its own storage. `replicated`: every replica (model.replicas)
+# holds the same piece.
+Piece = namedtuple("Piece", "name shape lo hi tensor offset replicated")
 
 
 class StrategyLayer:
-    """Mixed into every strategy's layers: a forward that a backward will
-    follow tells the wrapper which parameters will receive grads; and
+    """First in every strategy layer's classes (see layer_classes): what every
+    strategy does around a layer, before its mixin. A forward that a backward
+    will follow tells the wrapper which parameters will get grads; the first
+    backward callback of a backward pass tells it a backward began;
     comm.where names the layer, for the error of a collective that hangs."""
 
     def forward_callback(self, ctx, x):
         comm.where = f"{self.path} forward"
         if expects_backward(ctx):
-            self.wrapper.expect_grads(self.parameters(recurse=False))
+            self.wrapper.expect_grads(self)
         return super().forward_callback(ctx, x)
 
     def backward_callback(self, ctx, grad_out):
         comm.where = f"{self.path} backward"
+        self.wrapper.backward_started()
         return super().backward_callback(ctx, grad_out)
 
 
-class Wrapper(nn.Module):
-    layer_classes = None  # {nn.Linear: ..., nn.LayerNorm: ..., nn.Embedding: ...}
-    grads_sharded = True  # False: every rank holds the same full grads (ddp)
+def layer_classes(mixin):
+    """A strategy's layers: for each tiny_zero layer, StrategyLayer, then the
+    strategy's mixin, then the layer's math: Zero3Linear(StrategyLayer, Zero3Layer, Linear)."""
+    return module_layer_classes(StrategyLayer, mixin)
+
+
+class Wrapper(WrapperStateDicts, nn.Module):
+    """What every strategy's wrapper shares. A strategy sets layer_classes and
+    fills in the hooks below; the rest (checks, precision, the backward's
+    bookkeeping, no_sync, clipping, state dicts) is here."""
+
+    layer_classes = None  # {torch layer class: this strategy's layer class}, from layer_classes(<Name>Layer)
+    grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
 
     def __init__(self, module, mixed_precision=None, reduce_dtype=None, loss_scaler=None, device=None):
         super().__init__()
@@ -93,25 +105,218 @@ class Wrapper(nn.Module):
             raise ValueError("loss_scaler is for mixed_precision='fp16' only")
         self.loss_scaler = loss_scaler or (LossScaler() if mixed_precision == "fp16" else None)
         self.rank, self.world_size = init_distributed()
+        # data parallelism: this rank's index among the ranks that hold the same
+        # parameters (all of them here; a pipeline stage's or a tensor slice's replicas)
+        self.replica, self.replicas = self.rank, self.world_size
         self.device = torch.device(device) if device is not None else local_device()
         check_same_model_on_all_ranks(module)
+        comm.open_side_channel()
         swap_layers(module, self.layer_classes)
         module.to(self.param_dtype)
-        for path, layer in module.named_modules():
-            if isinstance(layer, CallbackLayer):
-                layer.__dict__["wrapper"] = self  # a plain attribute, not a submodule
-                layer.path = path
+        layers = [(path, m) for path, m in module.named_modules() if isinstance(m, CallbackLayer)]
+        for index, (path, layer) in enumerate(layers):
+            layer.__dict__["wrapper"] = self  # a plain attribute, not a submodule
+            layer.path, layer.index = path, index
         self.module = module
-        self.require_grad_sync = True
-        self.grads_synced = None  # None: no backward yet; True: synced since the last one
-        self.queue = None
         self.named_params = list(module.named_parameters())  # tied parameters appear once
-        self.grads_of = {}
-        self.optimizer = None  # set by the strategy's AdamW: it holds the fp32 masters
+        self.name_of = {p: name for name, p in self.named_params}
+        self.shapes = {name: p.shape for name, p in self.named_params}  # full shapes, before any sharding
+        self.trainable = [p for _, p in self.named_params if p.requires_grad]  # read once, here
+        self.frozen = [p for _, p in self.named_params if not p.requires_grad]
+        self.shards, self.working, self.grads = [], {}, {}  # the strategy fills these in
+        self.buckets = None
+        self.require_grad_sync = True
         self.clip_coef = 1.0
+        self.steps = 0  # optimizer steps taken
+        self.backwards = 0  # backward passes since the last step
+        self.in_backward = False
+        self.used = 0  # hash of the layers used in forward since the last backward
+        self.averaged = set()  # data_ptr()s of the parts of model.grads that hold an average this step
+        self.nothing = torch.zeros((), dtype=self.param_dtype, device=self.device)  # see released()
+        self.in_flight = {}  # zero3, fsdp: layer -> [(param or unit, full tensor, handle)] gathered ahead of use
+        self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
+
+    # ------------------------------------------------------------ hooks
+
+    def reduce_grads(self):
+        """The end of a backward pass outside no_sync(): send what backward did
+        not, wait for every collective in flight, and add the averages into
+        model.grads."""
+        raise NotImplementedError
+
+    def clear_grads(self, set_to_none):
+        """zero_grad(): drop (or zero) the local bucket grads and model.grads."""
+        raise NotImplementedError
+
+    def grad_attr(self, param):
+        """What p.grad shows once param has a grad: a view of its averaged grad
+        where a rank holds it whole, else a ShardedGrad that raises when used."""
+        raise NotImplementedError
+
+    def pieces(self):
+        """[Piece]: where this rank's part of each parameter lives."""
+        raise NotImplementedError
+
+    def gather_full(self):
+        """{parameter: its full fp32 value, on the CPU}; a collective where
+        parameters are sharded."""
+        raise NotImplementedError
+
+    def sync_params(self):
+        """After the shards changed (an optimizer step, a load): make the
+        parameters the layers compute with match them."""
+        raise NotImplementedError
+
+
+    # ------------------------------------------------------------ helpers for strategies
+
+    def value(self, name, param):
+        """The full value of `param` on this rank's device: its own data, or
+        the model's init for a parameter built on meta."""
+        return full_value(self.module, name, param, self.device)
+
+    def released(self, param):
+        """What a parameter holds while this rank keeps none of it: its full
+        shape over a single shared zero, so p.shape and p.dim() stay true (for
+        param groups built after wrapping) and nothing is allocated; writing
+        into it fails."""
+        return self.nothing.expand(self.shapes[self.name_of[param]])
+
+    def fp32_shards(self, tensors):
+        """The fp32 tensors the optimizer steps for these flat tensors of
+        parameters: the tensors themselves in fp32, else fp32 masters (the
+        optimizer writes the low-precision copy back in the same pass)."""
+        if self.param_dtype == torch.float32:
+            return list(tensors)
+        masters = [t.detach().float() for t in tensors]
+        self.working.update(zip(masters, tensors))
+        return masters
+
+    def flatten(self, buckets, params):
+        """One flat buffer holding `params` in the buckets' layout; each
+        parameter becomes a view of it. Rank 0's values, on every rank."""
+        flat = torch.zeros(sum(b.numel for b in buckets), dtype=self.param_dtype, device=self.device)
+        name_of = self.param_names()
+        for p in params:
+            bucket = next(b for b in buckets if p in b.offsets)
+            view = bucket.view(flat, p)
+            view.copy_(self.value(name_of[p], p))
+            set_data(p, view)
+        comm.broadcast(flat, src=0)
+        return flat
+
+    def keep_whole(self, params):
+        """Parameters every rank keeps whole and never steps (frozen ones under
+        ddp, zero1, zero2): on this device, rank 0's values."""
+        name_of = self.param_names()
+        for p in params:
+            value = self.value(name_of[p], p)
+            comm.broadcast(value, src=0)
+            set_data(p, value)
+
+    def reduce_target(self, dest):
+        """Where a collective should write the sum for `dest` (part of
+        model.grads): dest itself if it holds nothing this step, else a new buffer."""
+        return dest if dest.data_ptr() not in self.averaged else torch.empty_like(dest)
+
+    def average_into(self, dest, summed):
+        """dest = summed / N the first time in a step, dest += summed / N after:
+        the averaged grads add up over backward passes, as p.grad does in torch."""
+        if dest.data_ptr() not in self.averaged:
+            torch.div(summed, self.world_size, out=dest)
+        else:  # divided the same way: a first average added to zeros is bitwise the one written
+            dest.add_(summed.div_(self.world_size))
+        self.averaged.add(dest.data_ptr())
+
+    def bucket_pieces(self, bucket, begin, n, tensor, offset=0):
+        """Pieces of the parameters of `bucket` (a flat layout) whose elements
+        fall in [begin, begin + n) of it, held at tensor[offset:offset + n]."""
+        pieces, names = [], self.param_names()
+        for p in bucket.params:
+            start = bucket.offsets[p]
+            lo, hi = max(start, begin), min(start + bucket.shapes[p].numel(), begin + n)
+            if lo < hi:
+                pieces.append(Piece(names[p], bucket.shapes[p], lo - start, hi - start, tensor,
+                                    offset + lo - begin, False))
+        return pieces
+
+    def whole_pieces(self, params, replicated=True):
+        """Pieces of parameters held whole, in their own storage (by every
+        rank, or, not replicated, by this one)."""
+        names = self.param_names()
+        return [Piece(names[p], p.shape, 0, p.numel(), p.data.view(-1), 0, replicated) for p in params]
+
+    def gather_bucket(self, bucket, chunk):
+        """{parameter: full fp32 value on the CPU} for a bucket of which every
+        rank holds a 1/N chunk (fp32): one all_gather."""
+        flat = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+        comm.all_gather(flat, chunk)
+        return {p: bucket.own_view(flat, p).cpu().clone() for p in bucket.params}
+
+    def settle(self):
+        """Finish the gathers started ahead for a layer that did not come, so
+        none is mistaken later for current values: at the end of every
+        backward pass and before every step."""
+        for gathers in self.in_flight.values():
+            for _, _, handle in gathers:
+                handle.wait()
+        self.in_flight.clear()
+
+    def shard_grads(self):
+        """model.grads of a strategy with one shard (zero3, fsdp): made at a
+        step's first reduce, and freed by zero_grad (drop_grads)."""
+        if not self.grads:
+            self.grads = {self.shards[0]: torch.zeros_like(self.shards[0], dtype=self.reduce_dtype)}
+        return self.grads[self.shards[0]]
+
+    def drop_grads(self, set_to_none):
+        """zero_grad of model.grads made at a step's first reduce: freed, or zeroed."""
+        if set_to_none:
+            self.grads = {}  # the next reduce makes them again
+        else:
+            for g in self.grads.values():
+                g.zero_()
+
+    def gather_chunks(self):
+        """{parameter: full fp32 value on the CPU} where every rank holds the
+        N-th chunk of each bucket as model.shards[bucket.index] (zero1, zero2),
+        and frozen parameters whole."""
+        full = {p: p.detach().float().cpu().clone() for p in self.frozen}
+        for bucket, shard in zip(self.buckets, self.shards):
+            full.update(self.gather_bucket(bucket, shard))  # the fp32 masters, not the low-precision copy
+        return full
+
+    def set_data(self, param, value):
+        """Point param at value (see tiny_zero/materialize.py: meta parameters too)."""
+        set_data(param, value)
+
+    def sharded_grad(self, param):
+        """What p.grad shows where the averaged grad is sharded (grad_attr)."""
+        return ShardedGrad(param, type(self).__name__)
+
+    def param_names(self):
+        return self.name_of
+
+    def all_pieces(self):
+        if not hasattr(self, "_pieces"):
+            self._pieces = self.pieces()
+        return self._pieces
+
+    # ------------------------------------------------------------ one step's bookkeeping
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self.loss_scaler is not None and torch.is_grad_enabled():
+            # fp16: grads are scaled from where they enter the model, so
+            # loss.backward() and model.backward(loss) are the same
+            scale = self.loss_scaler
+            out = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: ScaleGrad.apply(t, scale) if t.requires_grad else t, out)
+        return out
+
+    def backward(self, loss):
+        """loss.backward(); kept for the API (under fp16 the scaling is in forward)."""
+        loss.backward()
 
     @contextmanager
     def no_sync(self):
@@ -123,66 +328,129 @@ class Wrapper(nn.Module):
         finally:
             self.require_grad_sync = True
 
-    def expect_grads(self, params):
-        """Called by a layer's forward when a backward will follow."""
-        self.grads_synced = False
-        if self.queue is not None:
-            self.queue.used_in_forward(params)
+    def expect_grads(self, layer):
+        """A layer's forward that a backward will follow."""
+        if not in_backward_pass():
+            self.in_backward = False  # a backward that raised never reached backward_done
+        self.buckets.used_in_forward([p for p in layer.parameters(recurse=False) if p.requires_grad])
+        self.used = (self.used * 31 + layer.index + 1) % (1 << 61)
 
-    def finish_grad_sync(self):
-        """Complete this step's gradient averaging; a no-op when already done
-        or inside no_sync()."""
-        if self.grads_synced is None:
-            raise RuntimeError("optimizer step before any backward: run model(...) and "
-                               "model.backward(loss) first")
-        if self.require_grad_sync and not self.grads_synced:
-            comm.where = "the gradient sync before the optimizer step"
-            self.sync_grads()
-            if self.queue is not None:
-                self.queue.new_step()
-            self.grads_synced = True
+    def backward_started(self):
+        """The first layer backward of a backward pass: every rank agrees it
+        runs the same backward (the same step, forward layers and no_sync),
+        before any collective of it; the end of the pass is queued."""
+        if self.in_backward:
+            return
+        self.in_backward = True
+        self.syncing = self.require_grad_sync
+        comm.agree("this backward pass", step=self.steps, backward=self.backwards,
+                   no_sync=int(not self.syncing), layers_used_in_forward=self.used)
+        self.used = 0
+        self.backwards += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)  # at the pass's end
 
-    def param_names(self):
-        return {p: name for name, p in self.named_params}
+    def backward_done(self):
+        comm.where = "the end of the backward pass"
+        self.in_backward = False
+        self.settle()
+        if self.syncing:
+            self.reduce_grads()  # the strategy: wait, average into model.grads
+            for p in self.buckets.got_grad:
+                if p.grad is None:
+                    p.grad = self.shown_grad(p)
+        self.buckets.end_backward()
 
-    def backward(self, loss):
-        """loss.backward(), with the loss scaled first under fp16."""
-        if self.loss_scaler is not None:
-            loss = loss * self.loss_scaler.scale
-        loss.backward()
+    def shown_grad(self, p):
+        if p not in self.shown:
+            self.shown[p] = self.grad_attr(p)
+        return self.shown[p]
 
-    def local_grads(self):
-        grads = (self.grads_of.get(t) for t in self.optimizer_params())
-        return [g for g in grads if g is not None]
+    def zero_grad(self, set_to_none=True, params=None):
+        """As torch's: p.grad None (or zero), and the wrapper's grads with it,
+        for every parameter or those in `params` (an optimizer's: others keep
+        accumulating, as in torch)."""
+        params = [p for _, p in self.named_params] if params is None else list(params)
+        for p in params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None and not isinstance(p.grad, ShardedGrad):
+                p.grad.zero_()
+        if set(params).issuperset(self.trainable):
+            self.clear_grads(set_to_none)
+            self.buckets.clear(keep_got_grad=not set_to_none)
+            if set_to_none:
+                self.averaged.clear()
+        else:
+            self.clear_some_grads(set(params), set_to_none)
 
-    def master(self, tensor):
-        """The fp32 value of an optimizer param: its master if it has one."""
-        state = self.optimizer.state.get(tensor, {}) if self.optimizer is not None else {}
-        return state["master"] if "master" in state else tensor.detach().float()
+    @torch.no_grad()
+    def clear_some_grads(self, params, set_to_none):
+        """zero_grad of some parameters only: their places in model.grads and
+        in the buckets are zeroed (what the others hold stays)."""
+        for piece in self.all_pieces():
+            grads = self.grads.get(piece.tensor)
+            if grads is not None and self.module.get_parameter(piece.name) in params:
+                grads[piece.offset:piece.offset + piece.hi - piece.lo].zero_()
+        for p in params & set(self.trainable):
+            bucket = self.buckets.of[p]
+            if bucket.grads is not None:
+                bucket.own_view(bucket.grads, p).zero_()
+            if set_to_none:
+                self.buckets.got_grad.discard(p)
+
+    def stepping(self):
+        """The parameters the optimizer steps now: those whose p.grad is set,
+        as torch.optim (zero_grad(set_to_none=True), or no grad in any backward
+        since, leaves it None). Every rank agrees on them."""
+        stepping = []
+        for name, p in self.named_params:
+            if p.grad is None:
+                continue
+            if p not in self.buckets.got_grad:
+                raise RuntimeError(f"{name} has a p.grad that tiny_zero's layers did not make (the parameter was "
+                                   "used outside its layer, or p.grad was assigned): it would be ignored")
+            if p.grad is not self.shown_grad(p):
+                self.take_assigned_grad(name, p)
+            stepping.append(p)
+        comm.agree("the optimizer step", step=self.steps, parameters=parameter_hash(self.param_names(), stepping))
+        return stepping
+
+    def take_assigned_grad(self, name, p):
+        """p.grad was replaced by another tensor: copy it in where the rank holds
+        the grad whole (ddp), as torch would step with it; else refuse."""
+        mine = self.shown_grad(p)
+        if isinstance(mine, ShardedGrad):
+            raise RuntimeError(f"p.grad of {name} was replaced, but {type(self).__name__} keeps averaged grads "
+                               "sharded: change grads through model.clip_grad_norm_ and the optimizer only")
+        mine.copy_(p.grad)
+        p.grad = mine
+
+    # ------------------------------------------------------------ clipping and fp16
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
         """Clip the grads to a global 2-norm of at most max_norm, as
-        torch.nn.utils.clip_grad_norm_ does on the unsharded model; returns
-        the norm before clipping (of the unscaled grads under fp16). The
-        clipping coefficient is applied inside the optimizer's kernel, together
-        with the loss scale, in the same pass that reads the grads."""
-        self.finish_grad_sync()
+        torch.nn.utils.clip_grad_norm_ on the unsharded model; returns the norm
+        before clipping (a tensor; of the unscaled grads under fp16). The
+        coefficient is applied inside the optimizer's kernel, with the loss
+        scale, in the pass that reads the grads."""
+        comm.where = "clip_grad_norm_"
         square_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in self.local_grads():
+        for g in self.grads.values():
             square_sum += g.float().square().sum()
-        if self.grads_sharded:
+        if not self.grads_replicated:
             comm.all_reduce(square_sum)  # each rank holds a disjoint part
-        total_norm = square_sum.sqrt() / self.loss_scale()
+        total_norm = square_sum.sqrt() / self.loss_scale
         self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()
-        return total_norm.item()
+        return total_norm
 
+    @property
     def loss_scale(self):
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def grad_scale(self):
         """What the optimizer multiplies the grads by: unscale and clip."""
-        return self.clip_coef / self.loss_scale()
+        return self.clip_coef / self.loss_scale
 
     @torch.no_grad()
     def found_overflow(self):
@@ -191,76 +459,104 @@ class Wrapper(nn.Module):
         if self.loss_scaler is None:
             return False
         bad = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in self.local_grads():
+        for g in self.grads.values():
             bad += (~torch.isfinite(g)).sum()
         comm.all_reduce(bad)
         return bad.item() > 0
 
-    @torch.no_grad()
-    def load_pieces(self, read):
-        """Set every parameter this rank holds from read(piece): the fp32 values
-        of elements [piece.lo, piece.hi) of parameter piece.name, flattened (a
-        1-D tensor of piece.hi - piece.lo elements). Call it on every rank; each
-        rank reads only what it holds. Checkpoints and pretrained weights load
-        through it."""
-        for piece in self.pieces():
-            place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
-            values = read(piece)
-            piece.tensor.detach().view(-1)[place].copy_(values)
-            state = self.optimizer.state.get(piece.tensor, {}) if self.optimizer is not None else {}
-            if "master" in state:
-                state["master"].view(-1)[place].copy_(values)
-        self.after_step()  # zero1/zero2: every rank's chunks into everyone's full parameters
 
-    def full_state_dict(self):
-        """Full fp32 values (the masters), keys as module.state_dict(), on every rank."""
-        full = self.gather_full()
-        return {k: full[v] if v in full else v.detach().float().cpu().clone()
-                for k, v in self.module.state_dict(keep_vars=True).items()}
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the grad by the current fp16 loss scale."""
+
+    @staticmethod
+    def forward(ctx, tensor, scaler):
+        ctx.scaler = scaler
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scaler.scale, None
 
 
-def check_not_wrapped(module):
-    for layer in module.modules():
-        if "wrapper" in layer.__dict__:
-            raise RuntimeError(f"{type(module).__name__} is already wrapped by "
-                               f"{type(layer.__dict__['wrapper']).__name__}: wrap the plain module once")
+class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
+    """AdamW over what the wrapper says this rank holds: model.shards, with
+    model.grads. A drop-in for torch.optim.AdamW on the wrapped model:
 
+        opt = Zero2AdamW(model, lr=1e-3, weight_decay=0.1)
+        opt = Zero2AdamW(model, [{"params": decay, "weight_decay": 0.1},
+                                 {"params": ["ln.weight", ...], "weight_decay": 0.0}], lr=1e-3)
 
-def check_same_model_on_all_ranks(module):
-    """One all_gather of the parameter list: names, shapes and dtypes must match,
-    or every rank raises (rather than hang or train garbage)."""
-    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
-    everyone = comm.all_gather_object(mine)
-    for rank, theirs in enumerate(everyone):
-        if theirs != mine:
-            first = next((f"{a} vs {b}" for a, b in zip(mine, theirs) if a != b),
-                         f"{len(mine)} vs {len(theirs)} parameters")
-            raise RuntimeError(f"the model differs across ranks (this rank vs rank {rank}): {first}")
+    Params are the module's parameters (before or after wrapping: the same
+    objects) or their names. opt.param_groups drive the next step (lr
+    schedulers work). Each parameter keeps its own step count, as torch's
+    does: one that has no grad is not stepped. A shard's moments are flat, like
+    the shard; the update runs once per stretch of a shard whose parameters
+    share a group and a step count (usually one launch per shard)."""
 
-
-class StrategyAdamW(AdamW):
     wrapper = None  # the wrapper class this optimizer belongs to, set by each strategy
 
-    def __init__(self, model, **hyper):
+    def __init__(self, model, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         if not isinstance(model, self.wrapper):
             raise TypeError(f"{type(self).__name__} steps a {self.wrapper.__name__}-wrapped model, "
                             f"got {type(model).__name__}: use the optimizer of the model's strategy "
                             "(tiny_zero.STRATEGIES[name])")
         self.model = model
-        super().__init__([{"params": model.optimizer_params()}], **hyper)
-        model.optimizer = self  # the wrapper reads the fp32 masters from here
         self.skipped_steps = 0
+        check_hparams(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(self._groups(params), defaults)
+        position = {id(s): i for i, s in enumerate(model.shards)}
+        self._pieces = sorted((p for p in model.all_pieces() if id(p.tensor) in position),
+                              key=lambda p: (position[id(p.tensor)], p.offset))  # in layout order
+
+    def _groups(self, params):
+        """torch-style groups, with names turned into the module's parameters."""
+        by_name = dict(self.model.named_params)
+        if params is None:
+            params = [p for _, p in self.model.named_params]
+        groups = list(params)
+        if not groups or not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        out = []
+        for group in groups:
+            group = dict(group)
+            items = group["params"]
+            items = [items] if isinstance(items, (str, torch.Tensor)) else list(items)
+            for item in items:
+                if isinstance(item, str) and item not in by_name:
+                    raise ValueError(f"{type(self).__name__}: no parameter named {item!r} in the model "
+                                     f"(names are the module's: {', '.join(list(by_name)[:4])}, ...)")
+            group["params"] = [by_name[p] if isinstance(p, str) else p for p in items]
+            out.append(group)
+        return out
+
+    def add_param_group(self, param_group):
+        known = {id(p) for _, p in self.model.named_params}
+        params = param_group["params"]
+        params = [params] if isinstance(params, (str, torch.Tensor)) else list(params)
+        by_name = dict(self.model.named_params)
+        params = [by_name.get(p, p) if isinstance(p, str) else p for p in params]
+        for p in params:
+            if isinstance(p, str) or id(p) not in known:
+                raise ValueError(f"{type(self).__name__} steps the wrapped model's parameters only, got {p!r}")
+        merged = {**self.defaults, **param_group}
+        check_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        super().add_param_group({**param_group, "params": params})
 
     @property
     def loss_scale(self):
-        return self.model.loss_scale()
+        return self.model.loss_scale
 
-    def grad_of(self, param):
-        return self.model.grads_of.get(param)
-
-    def step(self):
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         model = self.model
-        model.finish_grad_sync()
+        comm.where = "the optimizer step"
+        model.settle()
+        stepping = model.stepping()
         overflow = model.found_overflow()
         if model.loss_scaler is not None:
             model.loss_scaler.update(overflow)
@@ -268,12 +564,65 @@ class StrategyAdamW(AdamW):
             self.skipped_steps += 1  # every rank skips: the params stay as they are
             if model.rank == 0:
                 log.warning("fp16 gradient overflow: step skipped (%d so far), loss scale now %g",
-                            self.skipped_steps, model.loss_scale())
+                            self.skipped_steps, model.loss_scale)
         else:
-            self.grad_scale = model.grad_scale()  # 1/loss scale x clip coefficient
-            super().step()
-            model.after_step()
+            self._update(stepping, model.grad_scale())
+            model.sync_params()
         model.clip_coef = 1.0
+        model.steps += 1
+        model.backwards = 0
+        return loss
 
-    def zero_grad(self):
-        self.model.zero_grads()
+    def _update(self, stepping, grad_scale):
+        for shard, lo, hi, group, step in self.runs(stepping):
+            beta1, beta2 = group["betas"]
+            exp_avg, exp_avg_sq = self.moments(shard)
+            out = self.model.working.get(shard)
+            adamw_update_(shard[lo:hi], self.model.grads[shard][lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
+                          lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                          weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale,
+                          param_out=None if out is None else out[lo:hi])
+        group_of = self.group_of()
+        for p in stepping:
+            if p in group_of:
+                self.step_count(p).add_(1)
+
+    def group_of(self):
+        return {p: group for group in self.param_groups for p in group["params"]}
+
+    def moments(self, shard):
+        state = self.state[shard]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(shard)
+            state["exp_avg_sq"] = torch.zeros_like(shard)
+        return state["exp_avg"], state["exp_avg_sq"]
+
+    def step_count(self, p):
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)  # a CPU float32 scalar, as torch keeps it
+        return state["step"]
+
+    def runs(self, stepping):
+        """(shard, lo, hi, group, step): the stretches of shards to update, one
+        launch each: adjacent pieces of parameters that step now, in the same
+        group, with the same step count. A piece that does not step ends a stretch."""
+        stepping, group_of = set(stepping), self.group_of()
+        param_of = dict(self.model.named_params)
+        keys = []
+        for piece in self._pieces:
+            p = param_of[piece.name]
+            steps = p in stepping and p in group_of
+            keys.append((id(piece.tensor), id(group_of[p]), int(self.step_count(p)) + 1) if steps else None)
+        runs = []
+        for key, same in groupby(zip(keys, self._pieces), key=lambda item: item[0]):
+            if key is None:
+                continue
+            pieces = [piece for _, piece in same]
+            first, last = pieces[0], pieces[-1]
+            runs.append((first.tensor, first.offset, last.offset + last.hi - last.lo,
+                         group_of[param_of[first.name]], key[2]))
+        return runs
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none, params=[p for group in self.param_groups for p in group["params"]])

@@ -87,8 +87,8 @@ def measure(strategy, model_name, world_size, rank, step=True):
                 model.clip_grad_norm_(1.0)
                 opt.step()
             else:
-                for p in model.optimizer_params():
-                    opt.init_state(p)
+                for shard in model.shards:
+                    opt.moments(shard)
             held = memory.breakdown()
             held["peak"] = memory.peak
             del model, opt, module

@@ -1,4 +1,4 @@
-"""Train a model with FSDP (every tensor sliced over ranks):
+"""Train a model with FSDP (every tensor split across ranks):
 an example GPT or Llama, or a saved Hugging Face model (--model hf:DIR).
 
 Run with python (one process) or torchrun --nproc_per_node N; flags: --help.
@@ -15,13 +15,23 @@ from tiny_zero.fsdp import FSDP, FSDPAdamW
 def main():
     args = common.parse_args(__doc__)
     data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
-    with common.memory_tracker(args) as memory:
-        module = common.build_model(args)
-        groups = common.param_groups(module, args)  # before wrapping: zero3 and fsdp empty what a rank does not hold
-        model = FSDP(module, **common.strategy_options(args))
+    with common.Run(args, data) as run:
+        model = FSDP(common.build_model(args), **common.strategy_options(args))
         common.load_weights(model, args)  # --model hf:DIR: each rank reads the parts it holds
-        opt = FSDPAdamW(model, groups, lr=args.lr)
-        common.train(model, opt, data, args, memory)
+        opt = FSDPAdamW(model, common.param_groups(model.module, args), lr=args.lr)
+        sched = common.schedule(opt, args)
+        for step in run.steps(model, opt, sched):
+            x, y = run.batch(step)
+            loss = model(x, y)
+            if run.skip(loss, step):
+                continue
+            loss.backward()
+            model.clip_grad_norm_(common.MAX_GRAD_NORM)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            run.log(step, loss)
+        run.finish()
 
 
 if __name__ == "__main__":

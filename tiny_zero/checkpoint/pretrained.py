@@ -45,12 +45,13 @@ def load_pretrained(model, path):
     failed = f"cannot load pretrained weights from {path}"
     wrapped = hasattr(model, "load_pieces")
     module = model.module if wrapped else model
-    pieces = model.pieces() if wrapped else [Piece(name, p.shape, 0, p.numel(), p, 0)
-                                             for name, p in module.named_parameters()]
-    shapes = {p.name: tuple(p.shape) for p in pieces}
-    if wrapped:  # every parameter's shape, from the ranks that hold a part of it
-        for held in _agree(failed, None, shapes):
-            shapes.update(held)
+    if wrapped:  # model.shapes: every parameter's full shape, on every rank
+        pieces, shapes = model.all_pieces(), model.shapes
+    else:  # one device holds every parameter whole
+        params = list(module.named_parameters())
+        pieces = [Piece(name, p.shape, 0, p.numel(), p, 0, False) for name, p in params]
+        shapes = {name: p.shape for name, p in params}
+    shapes = {name: tuple(shape) for name, shape in shapes.items()}
     with ExitStack() as files:
         read, error = _attempt(_read_for_rank, path, module, shapes, pieces, files)
     if wrapped:
@@ -107,7 +108,7 @@ def _check(source, module, shapes, aliases):
     unexpected = sorted(key for key in source.keys if key not in expected)
     if unexpected:
         problems.append(f"{len(unexpected)} of its tensors are not in this model: {_some(unexpected)}")
-    want = {key: shapes[name] for name, key in found.items() if key is not None and name in shapes}
+    want = {key: shapes[name] for name, key in found.items() if key is not None}
     want.update({key: tuple(module.get_buffer(key).shape) for key in buffers if key in source.keys})
     differ = [f"{key} {source.shape(key)} in the file, {shape} in this model"
               for key, shape in want.items() if source.shape(key) != shape]

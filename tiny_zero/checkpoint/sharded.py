@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..materialize import weights_loaded
+from ..state_dicts import state_dict_names
 
 log = logging.getLogger("tiny_zero")
 
@@ -71,30 +72,27 @@ def _write_shard(saving, model, opt):
     """This rank's pieces, the loss scaler's state; returns what meta.pt needs."""
     pieces = model.pieces()
     layout = {p.name: (tuple(p.shape), str(p.tensor.dtype).removeprefix("torch.")) for p in pieces}
-    if not model.grads_sharded:  # every rank holds everything (ddp): write each piece once
-        pieces = pieces[model.rank::model.world_size]
+    replicated = [p for p in pieces if p.replicated]  # held by every replica: each written once, round-robin
+    pieces = [p for p in pieces if not p.replicated] + replicated[model.replica::model.replicas]
     shard = {"format": SHARD_FORMAT, "version": VERSION, "rank": model.rank, "world_size": model.world_size,
              **{kind: {} for kind in KINDS}, "step": {}, "checksums": {}}
     for piece in pieces:
         key, n = (piece.name, piece.lo, piece.hi), piece.hi - piece.lo
-        state = opt.state.get(piece.tensor, {})  # empty before the optimizer's first step
-        values = {"param": state.get("master", piece.tensor)}
-        values.update({kind: state[kind] for kind in ("exp_avg", "exp_avg_sq") if kind in state})
+        exp_avg, exp_avg_sq, step = opt.piece_state(piece)  # no moments before the first step
+        values = {"param": piece.tensor[piece.offset:piece.offset + n], "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         for kind in KINDS:
-            if kind in values:  # a copy of exactly n elements: torch.save writes a view's whole storage
-                flat = values[kind].detach().reshape(-1)[piece.offset:piece.offset + n]
-                shard[kind][key] = flat.to("cpu", torch.float32, copy=True)
+            if values[kind] is not None:  # a copy of exactly n elements: torch.save writes a view's whole storage
+                shard[kind][key] = values[kind].detach().to("cpu", torch.float32, copy=True)
             else:
                 shard[kind][key] = torch.zeros(n)
             shard["checksums"][(kind, *key)] = [_crc(block) for block in shard[kind][key].split(BLOCK)]
-        shard["step"][key] = float(state["step"]) if "step" in state else 0.0
+        shard["step"][key] = step
     scaler = getattr(model, "loss_scaler", None)
     shard["loss_scaler"] = scaler.state_dict() if scaler is not None else None
     shard["skipped_steps"] = getattr(opt, "skipped_steps", None)
     file = saving / shard_file(model.rank, model.world_size)
     _write(shard, file)
-    return {"file": file.name, "size": file.stat().st_size, "ranges": list(shard["step"]), "layout": layout,
-            "optimizer_step": max(shard["step"].values(), default=0.0)}
+    return {"file": file.name, "size": file.stat().st_size, "ranges": list(shard["step"]), "layout": layout}
 
 
 def _meta(model, infos, step, extra):
@@ -102,10 +100,9 @@ def _meta(model, infos, step, extra):
         "format": FORMAT, "version": VERSION,
         "strategy": type(model).__name__, "world_size": model.world_size,
         "params": _params(model.module, infos),
-        "state_dict": _state_dict_keys(model.module),
+        "state_dict": state_dict_names(model.module),
         "buffers": _buffers(model.module),
         "files": {i["file"]: {"size": i["size"], "ranges": i["ranges"]} for i in infos},
-        "optimizer_step": max(i["optimizer_step"] for i in infos),
         "step": step, "extra": {} if extra is None else extra,
     }
 
@@ -119,13 +116,6 @@ def _params(module, infos):
         shape, dtype = layout.get(name, (tuple(p.shape), str(p.dtype).removeprefix("torch.")))
         params.append({"name": name, "shape": shape, "dtype": dtype})
     return params
-
-
-def _state_dict_keys(module):
-    """[(state_dict key, the parameter it is, or None for a buffer)]: tied
-    parameters appear under every name they have."""
-    name_of = {p: name for name, p in module.named_parameters()}
-    return [(key, name_of.get(value)) for key, value in module.state_dict(keep_vars=True).items()]
 
 
 def _buffers(module):
@@ -170,27 +160,19 @@ def load(path, model, opt):
     path = Path(path)
     failed = f"cannot load checkpoint {path}"
     pieces = model.pieces()
-    shapes = {}
-    for held in _agree(failed, None, {p.name: tuple(p.shape) for p in pieces}):
-        shapes.update(held)
-    names = [name for name, _ in model.module.named_parameters()]
+    shapes = {name: tuple(shape) for name, shape in model.shapes.items()}  # full shapes, in model order
+    names = list(shapes)
     read, error = _attempt(_read_for_rank, path, names, shapes, pieces, model.rank)
     _agree(failed, error)  # every rank has read and checked all it needs; nothing has changed yet
     meta, parts, scaler_state, skipped_steps = read
 
-    steps = {}
-    for piece, (values, step) in zip(pieces, parts):
-        state = opt.init_state(piece.tensor)
-        place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
-        piece.tensor.detach().view(-1)[place].copy_(values["param"])  # cast to a low-precision param
-        if "master" in state:
-            state["master"].view(-1)[place].copy_(values["param"])
-        state["exp_avg"].view(-1)[place].copy_(values["exp_avg"])
-        state["exp_avg_sq"].view(-1)[place].copy_(values["exp_avg_sq"])
-        steps[piece.tensor] = max(steps.get(piece.tensor, 0.0), step)
-    for group in opt.param_groups:
-        for t in group["params"]:  # a tensor holding only padding still steps in line with the rest
-            opt.init_state(t)["step"].fill_(steps.get(t, meta["optimizer_step"]))
+    part_of = {(p.name, p.lo, p.hi): part for p, part in zip(pieces, parts)}
+    model.load_pieces(lambda piece: part_of[piece.name, piece.lo, piece.hi][0]["param"])
+    stepped = {id(s) for s in model.shards}
+    for piece in pieces:
+        if id(piece.tensor) in stepped:  # a trainable parameter's piece: its optimizer state too
+            values, step = part_of[piece.name, piece.lo, piece.hi]
+            opt.load_piece_state(piece, values["exp_avg"], values["exp_avg_sq"], step)
     scaler = getattr(model, "loss_scaler", None)
     if scaler is not None and scaler_state is not None:
         scaler.load_state_dict(scaler_state)
@@ -198,7 +180,6 @@ def load(path, model, opt):
         opt.skipped_steps = skipped_steps
     for key, value in meta["buffers"].items():
         model.module.get_buffer(key).copy_(value)
-    model.after_step()  # zero1/zero2: every rank's loaded chunks into everyone's full params
     weights_loaded(model.module)  # a model built on meta without an init may now run
     return {"step": meta["step"], "extra": meta["extra"]}
 

@@ -1,5 +1,5 @@
-"""DDPAdamW: every rank steps every parameter with the same averaged grads,
-so the replicas stay identical with no further communication."""
+"""DDPAdamW: every rank steps every parameter (one flat buffer) with the same
+averaged grads, so the replicas stay identical with no further communication."""
 from ..strategy import StrategyAdamW
 from .wrapper import DDP
 

@@ -1,64 +1,74 @@
-"""DDP: data parallelism with every rank holding everything.
+"""DDP: data parallelism, every rank holding everything.
 
-A rank holds: all parameters, all gradients (in one flat buffer cut into
-buckets), all optimizer state.
+A rank holds: every trainable parameter, in one flat buffer (flat_params);
+every grad, in one flat buffer of the same layout (flat_grads), cut into
+buckets; the optimizer state of all of it. p.grad is a view of flat_grads
+(as torch DDP's gradient_as_bucket_view). Frozen parameters stay whole on
+every rank and are never sent.
 Collectives: broadcast of rank 0's parameters at wrap time; all_reduce of each
-bucket during backward (module.py); the wait, and the division by N that turns
-the sum into the mean, come just before the optimizer step.
+bucket during backward, as soon as its grads are final (layers.py); at the
+end of the backward pass, the waits and the division by N.
 """
 import torch
 
 from .. import comm
-from ..buckets import DEFAULT_BUCKET_BYTES, BucketQueue, make_buckets
+from ..comm import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..strategy import Piece, Wrapper
 from .layers import LAYER_CLASSES
 
 
 class DDP(Wrapper):
     layer_classes = LAYER_CLASSES
-    grads_sharded = False
+    grads_replicated = True
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
-        self.module.to(self.device)
-        params = [p for _, p in self.named_params]
-        for p in params:
-            comm.broadcast(p.data, src=0)  # STRATEGY: every rank starts from rank 0's weights
-        self.buckets = make_buckets(params[::-1], bucket_bytes)  # backward runs last layer first
-        self.queue = BucketQueue(self.buckets)
-        total = sum(b.numel for b in self.buckets)
-        self.flat_grads = torch.zeros(total, dtype=self.reduce_dtype, device=self.device)
-        self.bucket_of = self.queue.bucket_of
-        self.grads_of = {p: self.grad_view(p) for p in params}  # views into the flat buffer
+        buckets = make_buckets(self.trainable[::-1], bucket_bytes)  # backward runs the last layer first
+        self.flat_params = self.flatten(buckets, self.trainable)  # STRATEGY: all of it, on every rank
+        self.keep_whole(self.frozen)
+        self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads)
+        self.shards = self.fp32_shards([self.flat_params])
+        self.grads = {self.shards[0]: self.flat_grads}
 
-    def grad_view(self, p):
-        return self.bucket_of[p].view(self.flat_grads, p)
-
-    def send_bucket(self, bucket, full_grads):
-        return comm.all_reduce(full_grads, async_op=True)  # STRATEGY: every rank gets the sum
+    def all_reduce(self, bucket):
+        bucket.handle = comm.all_reduce(bucket.grads, async_op=True)  # STRATEGY: every rank gets the sum
 
     @torch.no_grad()
-    def sync_grads(self):
-        for bucket in self.queue.unsent_buckets():  # params that got no grad this step
-            bucket.handle = self.send_bucket(bucket, bucket.range(self.flat_grads))
+    def reduce_grads(self):
+        for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
+            self.all_reduce(bucket)
         for bucket in self.buckets:
             if bucket.handle is not None:
-                bucket.handle.wait()  # STRATEGY: the only wait, just before the step
+                bucket.handle.wait()  # STRATEGY: the only wait, at the end of backward
                 bucket.handle = None
-                bucket.range(self.flat_grads).div_(self.world_size)  # sum -> mean
+                # sum -> mean; grads averaged before (no zero_grad) were the same on every rank: they stay
+                bucket.grads.div_(self.world_size)
 
-    def optimizer_params(self):
-        return [p for _, p in self.named_params]
+    def clear_grads(self, set_to_none):
+        pass  # the buckets are views of flat_grads, which Buckets.clear zeroes
 
-    def after_step(self):
-        pass  # every rank made the same update: nothing to send
-
-    def zero_grads(self):
-        self.flat_grads.zero_()
+    def grad_attr(self, param):
+        bucket = self.buckets.of[param]
+        if self.reduce_dtype != param.dtype:  # p.grad must have the parameter's dtype
+            return self.sharded_grad(param)
+        return bucket.view(self.flat_grads, param)
 
     def pieces(self):
-        """Every rank holds every parameter whole (checkpoints write each once)."""
-        return [Piece(name, p.shape, 0, p.numel(), p, 0) for name, p in self.named_params]
+        """Every rank holds every parameter whole: the pieces are replicated."""
+        pieces = []
+        for name, p in self.named_params:
+            if p.requires_grad:
+                offset = self.buckets.of[p].start + self.buckets.of[p].offsets[p]
+                pieces.append(Piece(name, p.shape, 0, p.numel(), self.shards[0], offset, True))
+            else:
+                pieces.append(Piece(name, p.shape, 0, p.numel(), p.data.view(-1), 0, True))
+        return pieces
 
+    @torch.no_grad()
     def gather_full(self):
-        return {p: self.master(p).cpu().clone() for _, p in self.named_params}
+        return {self.module.get_parameter(piece.name): piece.tensor[piece.offset:piece.offset + piece.hi]
+                .float().view(piece.shape).cpu().clone() for piece in self.pieces()}
+
+    def sync_params(self):
+        pass  # every rank made the same update: nothing to send

@@ -1,44 +1,33 @@
-"""FSDP layers: all-gather the layer's flat parameters before use, free them
-after, reduce-scatter the layer's grads.
+"""FSDP layers: around each layer's math, in forward and again in backward,
+its unit is all-gathered before (the next layer's is already on the way) and
+freed after. A grad goes into its unit's temporary buffer; a unit whose grads
+are final is reduce-scattered at once, asynchronously (wrapper.py).
 
-Each layer's parameters form one flat unit, split 1/N across ranks. Before
-a layer computes (forward or backward), one all_gather rebuilds the unit;
-the next layer's is already in flight (../gather.py). After computing, the
-full unit is freed: nothing full is kept between forward and backward. A
-unit's grads go into one buffer that is reduce-scattered, during backward, as
-soon as every parameter in it has its final grad.
-"""
-import torch
-from .. import comm
-from ..gather import GatheredLayer
-from ..module import layer_classes
+Compare with ../zero3/layers.py: the same gather, compute, free; only how a
+layer is gathered and where its grads go differ, in wrapper.py."""
+from ..module import expects_backward
+from ..strategy import layer_classes
 
 
-class AllGathers:
-    """The units a layer needs (its own; a tied layer's is another's), gathered async."""
+class FSDPLayer:
+    def forward_callback(self, ctx, x):
+        fsdp = self.wrapper
+        fsdp.unshard(self, training=expects_backward(ctx))  # STRATEGY: gather: all-gather the unit
+        y = super().forward_callback(ctx, x)
+        fsdp.reshard(self)  # STRATEGY: free: nothing full is kept for backward
+        return y
 
-    def __init__(self, fsdp, layer):
-        self.fsdp = fsdp
-        self.items = []
-        for unit in fsdp.units_of[layer]:
-            full = torch.empty(unit.numel, dtype=unit.shard.dtype, device=fsdp.device)
-            handle = comm.all_gather(full, unit.shard.detach(), async_op=True)  # STRATEGY: N slices -> full
-            self.items.append((unit, full, handle))
+    def backward_callback(self, ctx, grad_out):
+        fsdp = self.wrapper
+        fsdp.unshard(self, backward=True)  # STRATEGY: gathered again
+        grad_in = super().backward_callback(ctx, grad_out)
+        fsdp.reshard(self)  # STRATEGY: and freed again
+        return grad_in
 
-    def wait(self):
-        for unit, full, handle in self.items:
-            handle.wait()
-            for p in unit.params:
-                p.data = unit.own_view(full, p)
-
-    def release(self):
-        for unit, _, _ in self.items:
-            for p in unit.params:
-                p.data = self.fsdp.empty  # STRATEGY: reshard: drop the full unit
+    def accumulate_grad(self, param, grad):
+        fsdp = self.wrapper
+        for unit in fsdp.buckets.add(param, grad, send=fsdp.require_grad_sync):
+            fsdp.reduce_scatter(unit)  # STRATEGY: now, async; backward goes on
 
 
-class FSDPLayer(GatheredLayer):
-    pass  # gather (AllGathers), compute, release: ../gather.py
-
-
-LAYER_CLASSES = layer_classes(FSDPLayer)  # FSDPLinear, FSDPLayerNorm, FSDPEmbedding
+LAYER_CLASSES = layer_classes(FSDPLayer)  # FSDPLinear, FSDPLayerNorm, FSDPEmbedding, ...

@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from ..buckets import DEFAULT_BUCKET_BYTES, make_buckets
+from ..comm import DEFAULT_BUCKET_BYTES, make_buckets
 from ..fsdp.wrapper import layer_units
 from ..module import layer_kind
 from ..zero3.wrapper import loads, owner_table
@@ -41,7 +41,7 @@ from ..precision import param_dtype
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 CATEGORIES = ("parameters", "gradients", "optimizer_state")  # model state, as tiny_zero.measure.memory names it
-STEP_BYTES = 4  # AdamW's step count: an fp32 scalar per optimizer tensor
+STEP_BYTES = 4  # AdamW's step count: an fp32 scalar per parameter, as torch keeps it
 
 
 def formula_terms(strategy, mixed_precision=None):
@@ -94,26 +94,23 @@ def model_state(module, strategy, world_size, mixed_precision=None, bucket_bytes
     params = [param for _, param in module.named_parameters()]  # a tied parameter once
     numel = sum(param.numel() for param in params)
     n = world_size
-    if strategy == "ddp":  # elements of params, grads, optimizer state; optimizer tensors
-        held = [(numel, numel, numel, len(params))] * n
+    if strategy == "ddp":  # elements of params, grads, optimizer state
+        held = [(numel, numel, numel)] * n
     elif strategy in ("zero1", "zero2"):
         buckets = make_buckets(as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=n)
         total = sum(b.numel for b in buckets)
-        grads = total if strategy == "zero1" else total // n
-        held = [(total, grads, total // n, len(buckets))] * n
+        grads = total + total // n if strategy == "zero1" else total // n  # zero1: full local grads + the shard
+        held = [(total, grads, total // n)] * n
     elif strategy == "zero3":
         named = [(name, param.numel()) for name, param in module.named_parameters()]
-        owner = owner_table(named, n)
-        tensors = [sum(1 for name, _ in named if owner[name] == r) for r in range(n)]
-        held = [(load, load, load, t) for load, t in zip(loads(owner, named, n), tensors)]
+        held = [(load, load, load) for load in loads(owner_table(named, n), named, n)]
     elif strategy == "fsdp":
-        units = layer_units(layers(module), n)
-        share = sum(u.numel for u in units) // n
-        held = [(share, share, share, len(units))] * n
+        share = sum(u.numel for u in layer_units(layers(module), n)) // n
+        held = [(share, share, share)] * n
     else:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-    return [dict(parameters=a * p, gradients=g * p, optimizer_state=s * k + t * STEP_BYTES)
-            for a, g, s, t in held]
+    steps = len(params) * STEP_BYTES  # every rank counts every parameter's steps
+    return [dict(parameters=a * p, gradients=g * p, optimizer_state=s * k + steps) for a, g, s in held]
 
 
 def comm_per_step(module, strategy, world_size, mixed_precision=None, bucket_bytes=DEFAULT_BUCKET_BYTES):

@@ -25,9 +25,9 @@ against what the model and optimizer hold at that moment (held_tensors()):
                      it), the owned tensors (zero3), the unit slices (fsdp)
     optimizer_state  exp_avg, exp_avg_sq, step, and the fp32 masters under
                      mixed precision
-    gradients        the grads the optimizer will read (grads_of, p.grad):
-                     zero1 and ddp's full flat_grads, zero2's grad_shard,
-                     fsdp's slices, the owner's buckets in zero3
+    gradients        the grads the optimizer will read (model.grads, p.grad):
+                     ddp and zero1: the full flat_grads; zero1 and zero2: grad_shard;
+                     zero3: the owned grads; fsdp: the grads of its slices
     comm_buffers     what exists only to be communicated: full-grad buckets
                      being filled or in flight (zero2/3, fsdp), parameters
                      gathered for the layer computing and the one prefetched
@@ -54,6 +54,8 @@ from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..guards import ShardedGrad
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
@@ -229,22 +231,26 @@ def _unpack(alias):
 def held_tensors(model, optimizer=None):
     """What `model` and `optimizer` hold now, by category, in the order the
     breakdown tries them: {category: tensors (nested lists and dicts)}.
-    `model` is a tiny_zero wrapper or a plain module."""
-    module = getattr(model, "module", model)
-    if optimizer is not None:
-        stepped = [p for group in optimizer.param_groups for p in group["params"]]
-    else:
-        stepped = list(module.parameters())
-    grads = [p.grad for p in stepped] + [p.grad for p in module.parameters()]
-    grads += list(getattr(model, "grads_of", {}).values())  # a wrapper's averaged grads
-    buffers = list(getattr(getattr(model, "grads", None), "buffers", {}).values())  # full-grad buckets
-    prefetcher = getattr(model, "prefetcher", None)
-    if prefetcher is not None:  # gathers started ahead of their layer
-        buffers += [gather.items for gather in prefetcher.in_flight.values()]
-    return {
-        "parameters": stepped,
-        "optimizer_state": list(optimizer.state.values()) if optimizer is not None else [],
-        "gradients": grads,
-        # parameters that are not what the optimizer steps are gathered copies (zero3, fsdp)
-        "comm_buffers": buffers + list(module.parameters()),
-    }
+    `model` is a tiny_zero wrapper (it says what it holds: Wrapper.held) or a
+    plain module."""
+    state = list(optimizer.state.values()) if optimizer is not None else []
+    if hasattr(model, "shards"):
+        return wrapper_held(model, state)
+    params = list(model.parameters())
+    return {"parameters": params, "optimizer_state": state, "gradients": [p.grad for p in params],
+            "comm_buffers": []}
+
+
+def wrapper_held(model, optimizer_state):
+    """What a tiny_zero wrapper holds, from what every strategy declares
+    (tiny_zero/strategy.py: shards, working, grads, buckets, in_flight, nothing).
+    fp32 masters count as optimizer state, as the ZeRO paper counts them."""
+    stored = {id(piece.tensor): piece.tensor for piece in model.all_pieces()}.values()
+    grads = [p.grad for _, p in model.named_params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
+    buckets = model.buckets
+    temporary = [b.grads for b in buckets if buckets.flat is None and b.grads is not None]
+    gathered = [full for gathers in model.in_flight.values() for _, full, _ in gathers]
+    return {"parameters": [model.working.get(t, t) for t in stored] + [model.nothing],
+            "optimizer_state": optimizer_state + list(model.working),
+            "gradients": list(model.grads.values()) + grads + [buckets.flat],
+            "comm_buffers": temporary + gathered + [p.data for _, p in model.named_params]}

@@ -24,6 +24,18 @@ import torch
 import torch.nn as nn
 
 
+def in_backward_pass():
+    """True while autograd's engine runs a backward pass (in this thread)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def expects_backward(ctx):
+    """A forward that a backward will follow: not under no_grad, and not a
+    recompute inside backward (activation checkpointing), whose parameters
+    get no extra grad contribution."""
+    return any(ctx.needs_input_grad) and not in_backward_pass()
+
+
 class LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, x, *params):

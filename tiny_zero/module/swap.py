@@ -122,12 +122,13 @@ def own_forward(cls):
     return ""
 
 
-def layer_classes(mixin):
-    """A strategy's layers: for each kind, the tiny_zero layer with `mixin`'s
-    callbacks in front (DDPLayer -> DDPLinear(DDPLayer, Linear), ...).
-    Returns {kind: that class}, what swap_layers() takes."""
-    prefix = mixin.__name__.removesuffix("Layer")
-    return {kind: type(prefix + layer.__name__, (mixin, layer), {"__module__": mixin.__module__})
+def layer_classes(*mixins):
+    """A strategy's layers: for each kind, the tiny_zero layer with the
+    mixins' callbacks in front (DDPLayer -> DDPLinear(..., DDPLayer, Linear)),
+    named after the last mixin. Returns {kind: that class}, what
+    swap_layers() takes."""
+    prefix = mixins[-1].__name__.removesuffix("Layer")
+    return {kind: type(prefix + layer.__name__, (*mixins, layer), {"__module__": mixins[-1].__module__})
             for kind, layer in DEFAULT_CLASSES.items()}
 
 

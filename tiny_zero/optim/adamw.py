@@ -71,7 +71,7 @@ def adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, we
            weight_decay=weight_decay, step=step, grad_scale=grad_scale, param_out=param_out)
 
 
-def _check_hparams(lr, betas, eps, weight_decay):
+def check_hparams(lr, betas, eps, weight_decay):
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
@@ -95,7 +95,7 @@ class AdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, kernel="auto"):
-        _check_hparams(lr, betas, eps, weight_decay)
+        check_hparams(lr, betas, eps, weight_decay)
         _check_kernel(kernel)
         self.kernel = kernel
         self.grad_scale = 1.0
@@ -103,7 +103,7 @@ class AdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         merged = {**self.defaults, **param_group}
-        _check_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        check_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         super().add_param_group(param_group)
 
     @torch.no_grad()

@@ -1,16 +1,14 @@
-"""ZeRO-1 layers: backward sends nothing. Each gradient is added into the
-full flat gradient buffer; the reduce-scatter comes after backward.
+"""ZeRO-1 layers: backward sends nothing. Each grad is added into the full
+flat grad buffer; the reduce-scatter comes after backward (wrapper.py).
 
-Compare with ../ddp/module.py: the all_reduce during backward is gone.
-"""
-from ..module import layer_classes
-from ..strategy import StrategyLayer
+Compare with ../ddp/layers.py: the all_reduce during backward is gone."""
+from ..strategy import layer_classes
 
 
-class Zero1Layer(StrategyLayer):
+class Zero1Layer:
     def accumulate_grad(self, param, grad):
         zero1 = self.wrapper
-        zero1.bucket_of[param].view(zero1.flat_grads, param).add_(grad)  # STRATEGY: full grads, no send yet
+        zero1.buckets.add(param, grad, send=False)  # STRATEGY: full grads in flat_grads, no send yet
 
 
-LAYER_CLASSES = layer_classes(Zero1Layer)  # Zero1Linear, Zero1LayerNorm, Zero1Embedding
+LAYER_CLASSES = layer_classes(Zero1Layer)  # Zero1Linear, Zero1LayerNorm, Zero1Embedding, ...

@@ -1,18 +1,17 @@
-"""ZeRO-2 layers: each gradient goes into its bucket's temporary buffer; a
-complete bucket is reduce-scattered at once, asynchronously, during backward,
-and its full grads are freed when that finishes (../buckets.py,
-BucketedGrads).
+"""ZeRO-2 layers: each grad goes into its bucket's temporary buffer; a bucket
+whose grads are final is reduce-scattered at once, asynchronously, during
+backward, and its full grads are freed when that finishes (wrapper.py).
 
-Compare with ../zero1/module.py: the send moves into backward, and full
-gradients no longer outlive their bucket.
-"""
-from ..module import layer_classes
-from ..strategy import StrategyLayer
+Compare with ../zero1/layers.py: the send moves into backward, and full grads
+no longer outlive their bucket."""
+from ..strategy import layer_classes
 
 
-class Zero2Layer(StrategyLayer):
+class Zero2Layer:
     def accumulate_grad(self, param, grad):
-        self.wrapper.grads.add(param, grad)  # STRATEGY: a complete bucket is reduce-scattered now
+        zero2 = self.wrapper
+        for bucket in zero2.buckets.add(param, grad, send=zero2.require_grad_sync):
+            zero2.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on
 
 
-LAYER_CLASSES = layer_classes(Zero2Layer)  # Zero2Linear, Zero2LayerNorm, Zero2Embedding
+LAYER_CLASSES = layer_classes(Zero2Layer)  # Zero2Linear, Zero2LayerNorm, Zero2Embedding, ...

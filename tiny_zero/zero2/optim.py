@@ -1,4 +1,6 @@
-"""Zero2AdamW: the same as Zero1AdamW; only where the grads come from differs."""
+"""Zero2AdamW: AdamW over this rank's chunks, as Zero1AdamW; only where the
+averaged grads come from differs. After the step, the wrapper all-gathers the
+updated chunks (Zero2.sync_params)."""
 from ..strategy import StrategyAdamW
 from .wrapper import Zero2
 

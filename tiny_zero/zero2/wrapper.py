@@ -1,46 +1,84 @@
 """ZeRO-2: shard the optimizer state and the gradients.
 
-A rank holds: all parameters (in flat_params), its 1/N chunk of the averaged
-gradients (grad_shard), optimizer state for that chunk, and during backward
-the full gradients of the buckets not yet sent and done: typically the one
-being filled and the one in flight, plus any bucket still waiting for a
-parameter's last contribution (a tied weight's bucket waits all backward).
+A rank holds: every trainable parameter, in one flat buffer (flat_params),
+cut into buckets, each padded to a multiple of N and cut into N chunks; the
+averaged grads (grad_shard) and the optimizer state of its own chunk of every
+bucket, 1/N of the whole; and during backward the full local grads of the
+buckets not yet sent and finished: typically the one being filled and the one
+in flight, plus any bucket still waiting for a parameter's last grad (a tied
+weight's bucket waits all backward). Frozen parameters stay whole on every
+rank, never sent.
 Collectives: broadcast of rank 0's parameters at wrap time; one
-reduce_scatter per bucket, started in backward as soon as the bucket is
-complete (module.py); after the step, one all_gather per bucket
-(FlatShardWrapper.after_step).
+reduce_scatter per bucket, started in backward as soon as the bucket's grads
+are final (layers.py); after the optimizer step, one all_gather per bucket
+(sync_params).
 """
 import torch
 
 from .. import comm
-from ..buckets import DEFAULT_BUCKET_BYTES, BucketedGrads
-from ..flat_shards import FlatShardWrapper
+from ..comm import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
+from ..strategy import Wrapper
 from .layers import LAYER_CLASSES
 
 
-class Zero2(FlatShardWrapper):
+class Zero2(Wrapper):
     layer_classes = LAYER_CLASSES
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
-        super().__init__(module, bucket_bytes, **options)
+        super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         n = self.world_size
+        buckets = make_buckets(self.trainable[::-1], bucket_bytes, pad_to=n)  # backward runs the last layer first
+        self.flat_params = self.flatten(buckets, self.trainable)
+        self.keep_whole(self.frozen)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device)  # a bucket's grads: from its first grad until sent
+        chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
+        self.shards = self.fp32_shards(chunks)
         self.grad_shard = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)
-        self.grads_of = {shard: self.grad_shard[b.start // n:(b.start + b.numel) // n]
-                         for shard, b in zip(self.shard_params, self.buckets)}
-        self.grads = BucketedGrads(self, self.buckets, self.reduce_dtype, self.device)
-        self.queue = self.grads.queue
-
-    def send_bucket(self, bucket, full_grads):
-        shard = self.grads_of[self.shard_params[bucket.index]]
-        return comm.reduce_scatter(shard, full_grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
-
-    def bucket_done(self, bucket, full_grads):
-        pass  # STRATEGY: nothing kept: the full grads are freed, only the chunk in grad_shard stays
+        self.grads = {shard: self.grad_shard[b.start // n:(b.start + b.numel) // n]
+                      for shard, b in zip(self.shards, buckets)}
+        self.sending = []  # (bucket, reduce-scatter, its averaged grads, the sum) in flight
 
     @torch.no_grad()
-    def sync_grads(self):
-        self.grads.finish()
-        self.grad_shard.div_(self.world_size)  # sum -> mean
+    def reduce_scatter(self, bucket):
+        """Send a bucket whose grads are final; then finish the one sent before
+        it (it had this bucket's backward to complete)."""
+        dest = self.grads[self.shards[bucket.index]]
+        out = self.reduce_target(dest)
+        handle = comm.reduce_scatter(out, bucket.grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
+        self.sending.append((bucket, handle, dest, out))
+        if len(self.sending) > 1:
+            self.finish(*self.sending.pop(0))
 
-    def zero_grads(self):
-        self.grads.clear()
+    def finish(self, bucket, handle, dest, out):
+        handle.wait()
+        self.average_into(dest, out)
+        bucket.grads = None  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
+
+    @torch.no_grad()
+    def reduce_grads(self):
+        for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
+            self.reduce_scatter(bucket)
+        while self.sending:
+            self.finish(*self.sending.pop(0))
+
+    def clear_grads(self, set_to_none):
+        self.grad_shard.zero_()  # the buckets' full grads: Buckets.clear drops them
+
+    def grad_attr(self, param):
+        return self.sharded_grad(param)
+
+    def pieces(self):
+        return [piece for bucket, shard in zip(self.buckets, self.shards)
+                for piece in self.bucket_pieces(bucket, self.rank * shard.numel(), shard.numel(), shard)] + self.whole_pieces(self.frozen)
+
+    def gather_full(self):
+        return self.gather_chunks()
+
+    @torch.no_grad()
+    def sync_params(self):
+        for bucket in self.buckets:
+            chunk = bucket.chunk(self.flat_params, self.rank, self.world_size)
+            bucket.handle = comm.all_gather(bucket.range(self.flat_params), chunk, async_op=True)  # STRATEGY
+        for bucket in self.buckets:
+            bucket.handle.wait()  # STRATEGY: every rank's updated chunks, before the next forward
+            bucket.handle = None

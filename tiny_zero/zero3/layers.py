@@ -1,43 +1,31 @@
-"""ZeRO-3 layers: gather before use, free after, send grads to their owners.
-
-Before a layer computes (forward or backward), each of its parameters is
-broadcast from the rank that owns it into temporary storage; the next layer's
-broadcasts are already in flight (../gather.py). After computing, a rank
-frees every parameter it does not own. Grads go into per-owner buckets and a
-complete bucket is reduced to its owner at once, during backward (model.py).
-"""
-import torch
-from .. import comm
-from ..gather import GatheredLayer
-from ..module import layer_classes
+"""ZeRO-3 layers: around each layer's math, in forward and again in backward,
+its tensors are broadcast from their owners before (the next layer's are
+already on the way) and freed after, except the ones this rank owns. A grad
+goes into its owner's bucket; a bucket whose grads are final is reduced to
+its owner at once, asynchronously (wrapper.py)."""
+from ..module import expects_backward
+from ..strategy import layer_classes
 
 
-class Broadcasts:
-    """One layer's parameters, broadcast from their owners (async)."""
+class Zero3Layer:
+    def forward_callback(self, ctx, x):
+        zero3 = self.wrapper
+        zero3.unshard(self, training=expects_backward(ctx))  # STRATEGY: gather: broadcast from the owners
+        y = super().forward_callback(ctx, x)
+        zero3.reshard(self)  # STRATEGY: free: nothing full is kept for backward
+        return y
 
-    def __init__(self, zero3, layer):
-        self.zero3 = zero3
-        self.items = []
-        for p in layer.parameters(recurse=False):
-            owner = zero3.owner[p]
-            full = p.data if owner == zero3.rank else torch.empty(
-                zero3.full_shape[p], dtype=p.dtype, device=zero3.device)
-            handle = comm.broadcast(full, src=owner, async_op=True)  # STRATEGY: owner -> everyone
-            self.items.append((p, full, handle))
+    def backward_callback(self, ctx, grad_out):
+        zero3 = self.wrapper
+        zero3.unshard(self, backward=True)  # STRATEGY: gathered again
+        grad_in = super().backward_callback(ctx, grad_out)
+        zero3.reshard(self)  # STRATEGY: and freed again
+        return grad_in
 
-    def wait(self):
-        for p, full, handle in self.items:
-            handle.wait()
-            p.data = full
-
-    def release(self):
-        for p, _, _ in self.items:
-            if self.zero3.owner[p] != self.zero3.rank:
-                p.data = self.zero3.empty  # STRATEGY: free what this rank does not own
+    def accumulate_grad(self, param, grad):
+        zero3 = self.wrapper
+        for bucket in zero3.buckets.add(param, grad, send=zero3.require_grad_sync):
+            zero3.reduce(bucket)  # STRATEGY: to its owner, now, async; backward goes on
 
 
-class Zero3Layer(GatheredLayer):
-    pass  # gather (Broadcasts), compute, release: ../gather.py
-
-
-LAYER_CLASSES = layer_classes(Zero3Layer)  # Zero3Linear, Zero3LayerNorm, Zero3Embedding
+LAYER_CLASSES = layer_classes(Zero3Layer)  # Zero3Linear, Zero3LayerNorm, Zero3Embedding, ...

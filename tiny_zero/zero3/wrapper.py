@@ -1,105 +1,169 @@
 """ZeRO-3, inter-tensor: each whole parameter tensor is owned by one rank.
 
 A rank holds: the tensors it owns (owner_table below: largest first, each to
-the least-loaded rank, the same table on every rank), their grads and their
-optimizer state; other parameters are empty except while a layer uses them.
+the least-loaded rank, the same table on every rank, computed without
+communication), the trainable ones in one flat buffer (owned), with their
+averaged grads and optimizer state; every other parameter is empty except
+while a layer uses it.
 Collectives: broadcast from the owner before each layer's forward and again
-before its backward, the next layer prefetched (module.py); reduce of each
-per-owner grad bucket to its owner during backward. The owners step their
-own tensors: nothing is gathered after the step.
+before its backward, the next layer's started ahead (layers.py, unshard);
+reduce of each per-owner grad bucket to its owner during backward. The owners
+step their own tensors: nothing is gathered after the step.
 """
 import torch
 
 from .. import comm
-from ..buckets import DEFAULT_BUCKET_BYTES, BucketedGrads, buckets_from_runs
-from ..materialize import full_value, set_data
-from ..gather import GatheredWrapper, Prefetcher
-from ..strategy import Piece
-from .layers import LAYER_CLASSES, Broadcasts
+from ..comm import DEFAULT_BUCKET_BYTES, Buckets, LayerOrder, buckets_from_runs
+from ..strategy import Wrapper
+from .layers import LAYER_CLASSES
 
 
-class Zero3(GatheredWrapper):
+class Zero3(Wrapper):
     layer_classes = LAYER_CLASSES
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
-        shapes = [(n, p.numel()) for n, p in self.named_params]
-        table = owner_table(shapes, self.world_size)  # STRATEGY: from names and sizes alone, alike on every rank
-        self.owner = {p: table[name] for name, p in self.named_params}
-        self.full_shape = {p: p.shape for _, p in self.named_params}
-        dtype = self.named_params[0][1].dtype
-        self.empty = torch.empty(0, dtype=dtype, device=self.device)
-        params = [p for _, p in self.named_params][::-1]  # gradient-ready order
-        self.buckets = owner_buckets(params, self.owner, bucket_bytes)
+        table = owner_table([(n, p.numel()) for n, p in self.named_params], self.world_size)
+        self.owner = {p: table[name] for name, p in self.named_params}  # STRATEGY: whole tensors, one owner each
+        buckets = owner_buckets(self.trainable[::-1], self.owner, bucket_bytes)  # grad-ready order
+        self.mine = [b for b in buckets if self.owner[b.params[0]] == self.rank]
+        self.owned = self.keep_owned(self.mine)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device)
+        self.shards = self.fp32_shards([self.owned]) if self.owned.numel() else []
+        self.order = LayerOrder()
+        self.sending = []  # (bucket, reduce) in flight
+
+    def keep_owned(self, mine):
+        """Owners keep (or materialise from meta) their tensors, the trainable
+        ones in one flat buffer in bucket order; everyone else keeps nothing.
+        The values are rank 0's (or the model's init, the same everywhere)."""
+        owned = torch.zeros(sum(b.numel for b in mine), dtype=self.param_dtype, device=self.device)
+        self.owned_start, start = {}, 0
+        for b in mine:
+            self.owned_start[b], start = start, start + b.numel
         for name, p in self.named_params:
-            self.keep_own_part(name, p)
-        self.grads = BucketedGrads(self, self.buckets, self.reduce_dtype, self.device)
-        self.queue = self.grads.queue
-        self.prefetcher = Prefetcher(lambda layer: Broadcasts(self, layer))
+            if p.is_meta and self.owner[p] != self.rank:
+                self.set_data(p, self.released(p))  # built on meta: only the owner makes the value
+                continue
+            value = self.value(name, p)
+            if not p.is_meta:
+                comm.broadcast(value, src=0)
+            if self.owner[p] != self.rank:
+                self.set_data(p, self.released(p))
+            elif p.requires_grad:
+                bucket = next(b for b in mine if p in b.offsets)
+                view = bucket.own_view(owned[self.owned_start[bucket]:], p)
+                view.copy_(value)
+                self.set_data(p, view)
+            else:
+                self.set_data(p, value)
+            del value  # one full tensor at a time
+        return owned
 
-    def keep_own_part(self, name, p):
-        """Owners keep (or materialise) the tensor; everyone else keeps nothing."""
-        owned = self.owner[p] == self.rank  # STRATEGY: whole tensors, one owner each
-        if p.is_meta:  # the model's own init gives every owner the same value a single device would
-            set_data(p, full_value(self.module, name, p, self.device) if owned else self.empty)
-            return
-        value = p.data.to(self.device)
-        comm.broadcast(value, src=0)  # every rank starts from rank 0's weights
-        set_data(p, value if owned else self.empty)
+    # ------------------------------------------------------------ gather, free
 
-    def owns(self, p):
-        return self.owner[p] == self.rank
+    def unshard(self, layer, training=False, backward=False):
+        """Before layer computes: its tensors from their owners (started ahead
+        when the order predicted this layer), and the next layer's started."""
+        broadcasts = self.in_flight.pop(layer, None)
+        expected = broadcasts is not None
+        ahead = self.order.backward(layer, expected) if backward else self.order.forward(layer, expected, training)
+        broadcasts = broadcasts or self.broadcast(layer)
+        if ahead is not None and ahead is not layer and ahead not in self.in_flight:
+            self.in_flight[ahead] = self.broadcast(ahead)  # STRATEGY: prefetch while this layer computes
+        for p, full, handle in broadcasts:
+            handle.wait()
+            p.data = full
 
-    def send_bucket(self, bucket, full_grads):
-        return comm.reduce(full_grads, dst=bucket.owner, async_op=True)  # STRATEGY: sum at the owner
+    def broadcast(self, layer):
+        out = []
+        for p in layer.parameters(recurse=False):
+            full = p.data if self.owner[p] == self.rank else torch.empty(
+                self.shapes[self.name_of[p]], dtype=p.dtype, device=self.device)
+            out.append((p, full, comm.broadcast(full, src=self.owner[p], async_op=True)))  # STRATEGY: owner -> all
+        return out
 
-    def bucket_done(self, bucket, full_grads):
-        if bucket.owner == self.rank:  # STRATEGY: the owner keeps the sum; the others drop it
-            for p in bucket.params:
-                self.grads_of[p] = bucket.own_view(full_grads, p)
+    def reshard(self, layer):
+        for p in layer.parameters(recurse=False):
+            if self.owner[p] != self.rank:
+                p.data = self.released(p)  # STRATEGY: free what this rank does not own
 
-    def optimizer_params(self):
-        return [p for _, p in self.named_params if self.owns(p)]
+    # ------------------------------------------------------------ grads
 
-    def zero_grads(self):
-        self.grads_of.clear()
-        self.grads.clear()
+    @torch.no_grad()
+    def reduce(self, bucket):
+        """Send a bucket whose grads are final to its owner; then finish the
+        one sent before it."""
+        owner = self.owner[bucket.params[0]]
+        self.sending.append((bucket, comm.reduce(bucket.grads, dst=owner, async_op=True)))  # STRATEGY: sum at the owner
+        if len(self.sending) > 1:
+            self.finish(*self.sending.pop(0))
+
+    def finish(self, bucket, handle):
+        handle.wait()
+        if bucket in self.owned_start:  # STRATEGY: the owner keeps the average; the others drop the bucket
+            start = self.owned_start[bucket]
+            self.average_into(self.shard_grads()[start:start + bucket.numel], bucket.grads)
+        bucket.grads = None  # STRATEGY: free the bucket's full grads
+
+    @torch.no_grad()
+    def reduce_grads(self):
+        for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
+            self.reduce(bucket)
+        while self.sending:
+            self.finish(*self.sending.pop(0))
+
+    def clear_grads(self, set_to_none):
+        self.drop_grads(set_to_none)
+
+    def grad_attr(self, param):
+        return self.sharded_grad(param)
 
     def pieces(self):
-        return [Piece(name, p.shape, 0, p.numel(), p, 0) for name, p in self.named_params if self.owns(p)]
+        owned = [piece for b in self.mine for piece in self.bucket_pieces(b, 0, b.numel, self.shards[0],
+                                                                          self.owned_start[b])]
+        frozen = [p for p in self.frozen if self.owner[p] == self.rank]
+        return owned + self.whole_pieces(frozen, replicated=False)
 
     @torch.no_grad()
     def gather_full(self):
+        values = {piece.name: piece.tensor[piece.offset:piece.offset + piece.hi] for piece in self.pieces()}
         full = {}
-        for _, p in self.named_params:
-            owned = self.owns(p)
-            value = self.master(p) if owned else torch.empty(self.full_shape[p], device=self.device)
+        for name, p in self.named_params:
+            mine = self.owner[p] == self.rank
+            value = values[name].float().view(self.shapes[name]) if mine else torch.empty(self.shapes[name])
+            value = value.to(self.device)
             comm.broadcast(value, src=self.owner[p])  # the fp32 master, from its owner
             full[p] = value.cpu().clone()
         return full
+
+    def sync_params(self):
+        pass  # the owners hold the updated tensors; the next forward broadcasts them
 
 
 def owner_buckets(params, owner, bucket_bytes):
     """Buckets of grads bound for one owner each, at most bucket_bytes, ordered
     by when their last grad becomes ready."""
-    runs, open_runs, last = [], {}, {}
+    runs, open_runs, size, last = [], {}, {}, {}
     for position, p in enumerate(params):
-        run = open_runs.setdefault(owner[p], [])
-        if run and sum(q.numel() * q.element_size() for q in run) + p.numel() * p.element_size() > bucket_bytes:
-            runs.append((last[owner[p]], run))  # ordered by its own last grad
-            run = open_runs[owner[p]] = []
+        rank, nbytes = owner[p], p.numel() * p.element_size()
+        run = open_runs.setdefault(rank, [])
+        if run and size[rank] + nbytes > bucket_bytes:
+            runs.append((last[rank], run))  # ordered by its own last grad
+            run = open_runs[rank] = []
+        if not run:
+            size[rank] = 0
         run.append(p)
-        last[owner[p]] = position
-    runs += [(last[r], run) for r, run in open_runs.items()]
+        size[rank] += nbytes
+        last[rank] = position
+    runs += [(last[r], run) for r, run in open_runs.items() if run]
     runs.sort(key=lambda item: item[0])
-    buckets = buckets_from_runs([run for _, run in runs])
-    for b in buckets:
-        b.owner = owner[b.params[0]]
-    return buckets
+    return buckets_from_runs([run for _, run in runs])
 
 
 def owner_table(named_shapes, world_size):
-    """{name: rank} for [(name, numel), ...], balanced by numel."""
+    """{name: rank} for [(name, numel), ...], balanced by numel: largest first,
+    each to the least-loaded rank (ties to the lower rank, names break size ties)."""
     load = [0] * world_size
     owner = {}
     for name, numel in sorted(named_shapes, key=lambda item: (-item[1], item[0])):

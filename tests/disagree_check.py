@@ -1,0 +1,44 @@
+"""One rank does what the others do not; run as one process per rank by
+tests/test_semantics.py: `python tests/disagree_check.py STRATEGY CASE`.
+
+    no_sync   at step 2, rank 1 runs its backward inside no_sync(), rank 0 does not
+    layer     at step 2, rank 1 uses a layer that rank 0 does not
+
+Every rank must end in tiny_zero's error and exit non-zero; on success the
+script prints "no error" and exits 0."""
+import os
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+import torch.distributed as dist  # noqa: E402
+
+from semantics_checks import global_batch, make_tiny, my_rows  # noqa: E402
+from tiny_zero import comm  # noqa: E402
+
+
+def main():
+    name, case = sys.argv[1:3]
+    comm.set_timeout(float(os.environ["TIMEOUT"]))
+    dist.init_process_group("gloo")
+    model, opt = make_tiny(name)
+    rank = dist.get_rank()
+    for step in range(4):
+        odd = step == 2 and rank == 1
+        model.module.use_sometimes = step % 2 == 0
+        if case == "layer" and odd:
+            model.module.use_sometimes = not model.module.use_sometimes
+        loss = model(*my_rows(global_batch(step)))
+        if case == "no_sync" and odd:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print("no error")
+
+
+if __name__ == "__main__":
+    main()

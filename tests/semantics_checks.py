@@ -1,0 +1,319 @@
+"""Worker functions for tests/test_semantics.py: torch's training-loop habits,
+on every strategy, against single-process torch (nn layers, torch.optim.AdamW,
+the concatenated batch). Each returns a list of failures."""
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+import tiny_zero
+from tiny_zero import comm
+
+STRATEGIES = list(tiny_zero.STRATEGIES)
+VOCAB, WIDTH, HIDDEN, SEQ, PER_RANK = 13, 8, 6, 5, 2
+LR, WD, STEPS = 1e-2, 0.1, 5
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class LoopNet(nn.Module):
+    """A tied embedding and head, a frozen layer, a layer never used, and a
+    layer used only when `use_sometimes` is set (on alternate steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.ln = nn.LayerNorm(WIDTH)
+        self.frozen = nn.Linear(WIDTH, WIDTH)
+        self.fc1 = nn.Linear(WIDTH, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, WIDTH, bias=False)
+        self.sometimes = nn.Linear(WIDTH, WIDTH)
+        self.unused = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.frozen.requires_grad_(False)
+        self.use_sometimes = True
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        h = h + torch.tanh(self.frozen(self.ln(h)))
+        h = h + self.fc2(torch.tanh(self.fc1(h)))
+        if self.use_sometimes:
+            h = h + torch.tanh(self.sometimes(h))
+        return F.cross_entropy(self.head(h).view(-1, VOCAB), targets.reshape(-1))
+
+
+def global_batch(step, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    tokens = torch.randint(0, VOCAB, (dist.get_world_size() * PER_RANK, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def my_rows(tensors):
+    rank = dist.get_rank()
+    return [t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in tensors]
+
+
+def groups_of(module, by_name):
+    """No decay on 1-D parameters, half the lr for the embedding: one group
+    given by names, the others by parameters (as torch users write them)."""
+    named = dict(module.named_parameters())
+    decay = [p for n, p in named.items() if p.dim() >= 2 and n != "emb.weight"]
+    no_decay = [p for p in named.values() if p.dim() < 2]
+    emb = ["emb.weight"] if by_name else [named["emb.weight"]]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0},
+            {"params": emb, "lr": LR / 2}]
+
+
+def warmup(step):
+    return min(1.0, (step + 1) / 3)
+
+
+LOOPS = {  # name: (backward passes per step, no_sync on all but the last, zero_grad after every step)
+    "plain": (1, False, True),
+    "two_backwards": (2, False, True),  # torch DDP: each backward averages, the grads add up
+    "no_sync": (2, True, True),
+    "no_zero_grad": (1, False, False),  # the grads of one step carry into the next
+}
+
+
+def make_torch(groups=True):
+    torch.manual_seed(0)
+    model = LoopNet()
+    params = groups_of(model, by_name=False) if groups else model.parameters()
+    opt = torch.optim.AdamW(params, lr=LR, eps=1.0, weight_decay=WD)
+    return model, opt
+
+
+def make_tiny(name, groups=True, **options):
+    torch.manual_seed(0)
+    module = LoopNet()
+    wrapper_cls, opt_cls = tiny_zero.STRATEGIES[name]
+    extra = {} if name == "fsdp" else {"bucket_bytes": 200}  # many small buckets
+    model = wrapper_cls(module, **extra, **options)
+    params = groups_of(module, by_name=True) if groups else None
+    return model, opt_cls(model, params, lr=LR, eps=1.0, weight_decay=WD)
+
+
+def run_loop(model, opt, loop, step, distributed):
+    backwards, use_no_sync, _ = LOOPS[loop]
+    module = model.module if distributed else model
+    module.use_sometimes = step % 2 == 0
+    total = 0.0
+    for micro in range(backwards):
+        batch = global_batch(step, micro)
+        x, y = my_rows(batch) if distributed else batch
+        quiet = use_no_sync and micro < backwards - 1 and distributed
+        with model.no_sync() if quiet else nullcontext():
+            loss = model(x, y) / backwards
+            loss.backward()
+        total += loss.item()
+    return total
+
+
+def training_loop(name, loop):
+    """Frozen, never-used and alternate-step layers, param groups, a LambdaLR
+    warm-up, and the loop's way of accumulating: every step's loss and every
+    parameter equal torch's; frozen and never-used parameters are bit-identical
+    to their initial values; no frozen parameter is ever sent."""
+    ref, ref_opt = make_torch()
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, warmup)
+    model, opt = make_tiny(name)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    initial = {k: v.clone() for k, v in ref.state_dict().items()}
+    zero_grad = LOOPS[loop][2]
+    failures, where = [], f"{name}/{loop} world {dist.get_world_size()}"
+    frozen = {p for p in model.module.parameters() if not p.requires_grad}
+    if any(p in model.buckets.of for p in frozen):
+        failures.append(f"{where}: a frozen parameter is in a gradient bucket")
+    for step in range(STEPS):
+        ref_loss = run_loop(ref, ref_opt, loop, step, distributed=False)
+        ref_opt.step()
+        ref_sched.step()
+        comm.stats.reset()
+        loss = torch.tensor(run_loop(model, opt, loop, step, distributed=True))
+        sent = sum(n for kind, n in comm.stats.elements.items() if kind in ("all_reduce", "reduce_scatter", "reduce"))
+        opt.step()
+        sched.step()
+        if zero_grad:
+            ref_opt.zero_grad()
+            opt.zero_grad()
+        dist.all_reduce(loss)
+        loss = loss.item() / dist.get_world_size()
+        if abs(loss - ref_loss) > ATOL + RTOL * abs(ref_loss):
+            failures.append(f"{where} step {step}: loss {loss} vs torch {ref_loss}")
+        trainable = sum(b.numel for b in model.buckets)
+        if sent > trainable * LOOPS[loop][0]:
+            failures.append(f"{where} step {step}: {sent} grad elements sent, more than the trainable ones")
+        state = model.full_state_dict()
+        for key, want in ref.state_dict().items():
+            if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL):
+                failures.append(f"{where} step {step}: {key} differs by {(state[key] - want).abs().max():.2e}")
+            if key.startswith(("frozen.", "unused.")) and not torch.equal(state[key], initial[key]):
+                failures.append(f"{where} step {step}: {key} moved (frozen or never used)")
+    return failures
+
+
+def training_loops(names, loops):
+    return [f for loop in loops for name in names for f in training_loop(name, loop)]
+
+
+def add_param_group_and_set_to_none_false(name):
+    """A group added after some steps is stepped from then on, as in torch;
+    zero_grad(set_to_none=False) keeps zero grads, so a layer unused in the
+    next step is still stepped (momentum and decay), as in torch."""
+    failures, where = [], f"{name} world {dist.get_world_size()}"
+
+    def first_groups(module):
+        return [p for n, p in module.named_parameters() if not n.startswith("sometimes.")]
+
+    ref, _ = make_torch(groups=False)
+    ref_opt = torch.optim.AdamW(first_groups(ref), lr=LR, eps=1.0, weight_decay=WD)
+    model, _ = make_tiny(name, groups=False)
+    opt = tiny_zero.STRATEGIES[name][1](model, first_groups(model.module), lr=LR, eps=1.0, weight_decay=WD)
+    for step in range(4):
+        for m, o, dist_ in ((ref, ref_opt, False), (model, opt, True)):
+            if step == 2:
+                o.add_param_group({"params": list(getattr(m, "module", m).sometimes.parameters()), "lr": 2 * LR})
+            run_loop(m, o, "plain", step, dist_)
+            o.step()
+            o.zero_grad(set_to_none=False)
+        state = model.full_state_dict()
+        for key, want in ref.state_dict().items():
+            if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL):
+                failures.append(f"{where} step {step}: {key} differs by {(state[key] - want).abs().max():.2e}")
+    return failures
+
+
+def state_dicts(name):
+    """model.state_dict() is full, keyed as torch DDP's, on every rank; it
+    loads into a fresh wrapper of the same strategy and into plain torch. The
+    optimizer's state_dict loads back where it was made, and refuses another
+    rank's (but for ddp, whose state is the same on every rank)."""
+    failures, where = [], f"{name} world {dist.get_world_size()}"
+    model, opt = make_tiny(name)
+    for step in range(2):
+        run_loop(model, opt, "plain", step, True)
+        opt.step()
+        opt.zero_grad()
+    sd = model.state_dict()
+    full = model.full_state_dict()
+    if list(sd) != ["module." + k for k in full]:
+        failures.append(f"{where}: state_dict keys {list(sd)[:3]}... are not module.<key>")
+    if any(not torch.equal(sd["module." + k], v) or v.numel() == 0 for k, v in full.items()):
+        failures.append(f"{where}: state_dict values are not the full values")
+    fresh, fresh_opt = make_tiny(name)
+    torch.manual_seed(1)
+    result = fresh.load_state_dict(sd)
+    if result.missing_keys or result.unexpected_keys:
+        failures.append(f"{where}: load_state_dict reported {result}")
+    if any(not torch.equal(v, full[k]) for k, v in fresh.full_state_dict().items()):
+        failures.append(f"{where}: a fresh {name} did not get every value from load_state_dict")
+    plain = LoopNet()
+    consume_prefix_in_state_dict_if_present(sd, "module.")
+    plain.load_state_dict(sd)
+    if any(not torch.equal(v, full[k]) for k, v in plain.state_dict().items()):
+        failures.append(f"{where}: plain torch did not get the values")
+    # the optimizer: its own state loads back and training goes on identically
+    fresh_opt.load_state_dict(opt.state_dict())
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        run_loop(m, o, "plain", 2, True)
+        o.step()
+        o.zero_grad()
+    if any(not torch.equal(v, model.full_state_dict()[k]) for k, v in fresh.full_state_dict().items()):
+        failures.append(f"{where}: training after load_state_dict of model and optimizer differs")
+    saved = [opt.state_dict()]
+    dist.broadcast_object_list(saved, src=0)  # "rank 0 saves, every rank loads"
+    try:
+        fresh_opt.load_state_dict(saved[0])
+        if dist.get_rank() != 0 and name != "ddp":
+            failures.append(f"{where}: rank {dist.get_rank()} loaded rank 0's optimizer state without an error")
+    except ValueError as e:
+        if name == "ddp" or "saved by rank 0" not in str(e):
+            failures.append(f"{where}: {e}")
+    return failures
+
+
+def grads_as_torch_sees_them(name):
+    """After backward, p.grad is set exactly for the parameters that got a
+    grad. ddp: it is the averaged grad (torch DDP's), and torch's own
+    clip_grad_norm_ works on it. Sharded: using it raises a clear error.
+    model.clip_grad_norm_ returns a tensor equal to torch's norm."""
+    failures, where = [], f"{name} world {dist.get_world_size()}"
+    ref, _ = make_torch(groups=False)
+    model, opt = make_tiny(name, groups=False)
+    run_loop(ref, None, "plain", 0, False)
+    run_loop(model, opt, "plain", 0, True)
+    ref_grads = dict(ref.named_parameters())
+    for n, p in model.module.named_parameters():
+        if (p.grad is None) != (ref_grads[n].grad is None):
+            failures.append(f"{where}: p.grad of {n} is {p.grad is None}, torch's {ref_grads[n].grad is None}")
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    if name == "ddp":
+        for n, p in model.module.named_parameters():
+            if p.grad is not None and not torch.allclose(p.grad, ref_grads[n].grad, rtol=RTOL, atol=ATOL):
+                failures.append(f"{where}: p.grad of {n} is not the averaged grad")
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    else:
+        try:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            failures.append(f"{where}: torch's clip_grad_norm_ on sharded grads did not raise")
+        except RuntimeError as e:
+            if "model.clip_grad_norm_" not in str(e):
+                failures.append(f"{where}: unclear error {e}")
+        got = model.clip_grad_norm_(1e9)
+    if not isinstance(got, torch.Tensor) or abs(got.item() - expected.item()) > ATOL + RTOL * expected.item():
+        failures.append(f"{where}: grad norm {got} vs torch {expected}")
+    return failures
+
+
+def fp16_loss_backward(name):
+    """Under fp16, loss.backward() and model.backward(loss) train alike (the
+    loss scale enters where the output leaves the model)."""
+    states = []
+    for plain in (True, False):
+        model, opt = make_tiny(name, mixed_precision="fp16")
+        for step in range(3):
+            model.module.use_sometimes = True
+            loss = model(*my_rows(global_batch(step)))
+            loss.backward() if plain else model.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        states.append(model.full_state_dict())
+    same = all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    moved = any(not torch.equal(states[0][k], make_torch()[0].state_dict()[k]) for k in states[0])
+    return [] if same and moved else [f"{name}: fp16 with loss.backward() differs from model.backward(loss)"]
+
+
+def autocast_and_compile(name):
+    """torch.autocast around the forward trains (close to fp32); torch.compile
+    of the wrapper gives the eager numbers without recompiling per layer."""
+    import torch._dynamo
+
+    failures = []
+    model, opt = make_tiny(name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(*my_rows(global_batch(0)))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    eager, _ = make_tiny(name)
+    compiled_model, _ = make_tiny(name)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(compiled_model, backend="eager")
+    for step in range(2):
+        x, y = my_rows(global_batch(step))
+        want, got = eager(x, y), compiled(x, y)
+        if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+            failures.append(f"{name}: compiled loss {got.item()} vs eager {want.item()}")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    if graphs > 12:
+        failures.append(f"{name}: torch.compile made {graphs} graphs for one model (recompiling per layer)")
+    return failures
+
+
+def each(check, names):
+    return [f for name in names for f in globals()[check](name)]

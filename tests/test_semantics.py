@@ -1,0 +1,86 @@
+"""torch's training-loop semantics hold on every strategy (issue: no silent
+wrong numbers). Against single-process torch, at world 2 and 3: frozen and
+never-used parameters never move and are never sent; a layer used on
+alternate steps, param groups (no decay on 1-D parameters, another lr for the
+embedding, given by parameter or by name) and a LambdaLR warm-up, with
+eps=1 (the update is then about lr·g: any wrong average shows); two backward
+passes without no_sync, and a forgotten zero_grad, accumulate as torch does.
+At world 2: add_param_group, zero_grad(set_to_none=False), state dicts of the
+model and the optimizer, p.grad and torch's clip_grad_norm_, fp16 with a plain
+loss.backward(), autocast and torch.compile. Ranks that disagree (no_sync on
+one rank, a layer used on one rank) end in tiny_zero's error on every rank,
+and every process exits non-zero in time."""
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import ROOT, run_checks  # noqa: E402
+
+ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+LOOPS = ["plain", "two_backwards", "no_sync", "no_zero_grad"]
+WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
+          ("groups", "each", ("add_param_group_and_set_to_none_false", ALL)),
+          ("state_dicts", "each", ("state_dicts", ALL)),
+          ("grads", "each", ("grads_as_torch_sees_them", ALL)),
+          ("fp16", "each", ("fp16_loss_backward", ALL)),
+          ("autocast_compile", "each", ("autocast_and_compile", ALL))]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_checks(2, "semantics_checks", WORLD2, timeout=600)
+
+
+@pytest.mark.parametrize("check", [key for key, _, _ in WORLD2])
+def test_world_2(world2, check):
+    failures = [f for rank in world2[check] for f in rank]
+    assert not failures, "\n".join(failures[:30])
+
+
+def test_world_3_uneven_shards():
+    results = run_checks(3, "semantics_checks", [("loops", "training_loops", (ALL, ["plain", "two_backwards"]))],
+                         timeout=600)
+    failures = [f for rank in results["loops"] for f in rank]
+    assert not failures, "\n".join(failures[:30])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TIMEOUT = 4  # seconds, the collective timeout in these runs
+
+
+@pytest.mark.parametrize("case", ["no_sync", "layer"])
+@pytest.mark.parametrize("name", ALL)
+def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case):
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "TIMEOUT": str(TIMEOUT)}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "disagree_check.py"), name, case],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=TIMEOUT + 60)
+            outputs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    elapsed = time.monotonic() - start
+    for rank, (code, out, err) in enumerate(outputs):
+        assert code != 0, f"rank {rank} exited 0:\n{out}\n{err[-2000:]}"
+        assert "DisagreementError" in err or "CollectiveError" in err, f"rank {rank}:\n{err[-3000:]}"
+    assert elapsed < TIMEOUT + 30, f"the ranks took {elapsed:.0f} s to exit"

@@ -1,0 +1,61 @@
+"""Misuse turned into clear errors, the same on every rank: a model wrapped
+twice, models that differ across ranks, and p.grad of a strategy that keeps
+averaged grads sharded used as if it were the whole grad."""
+import zlib
+
+import torch
+
+from . import comm
+
+
+def check_not_wrapped(module):
+    for layer in module.modules():
+        if "wrapper" in layer.__dict__:
+            raise RuntimeError(f"{type(module).__name__} is already wrapped by "
+                               f"{type(layer.__dict__['wrapper']).__name__}: wrap the plain module once")
+
+
+def check_same_model_on_all_ranks(module):
+    """One all_gather of the parameter list: names, shapes, dtypes and
+    requires_grad must match, or every rank raises (rather than hang or train garbage)."""
+    mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()]
+    everyone = comm.all_gather_object(mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != mine:
+            first = next((f"{a} vs {b}" for a, b in zip(mine, theirs) if a != b),
+                         f"{len(mine)} vs {len(theirs)} parameters")
+            raise RuntimeError(f"the model differs across ranks (this rank vs rank {rank}): {first}")
+
+
+def parameter_hash(name_of, params):
+    """An integer that names a set of parameters, the same on every rank."""
+    return zlib.crc32("\n".join(sorted(name_of[p] for p in params)).encode())
+
+
+class ShardedGrad(torch.Tensor):
+    """What p.grad holds, once a parameter has a grad, under a strategy that
+    keeps averaged grads sharded: a tensor of the parameter's shape with no
+    data, that raises a clear error when anything uses it. So
+    torch.nn.utils.clip_grad_norm_(model.parameters()), a torch optimizer or a
+    grad-norm logger fail loudly instead of reading nothing; `p.grad is None`
+    still tells whether a parameter has a grad, as in torch."""
+
+    @staticmethod
+    def __new__(cls, param, strategy):
+        grad = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
+        grad.strategy = strategy
+        return grad
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__repr__:
+            return f"ShardedGrad({args[0].strategy})"
+        strategy = next((a.strategy for a in args if isinstance(a, ShardedGrad)), "this strategy")
+        raise RuntimeError(
+            f"{strategy} keeps each averaged grad sharded across ranks, not in p.grad: clip with "
+            "model.clip_grad_norm_(max_norm) (it returns the global norm), step with the strategy's "
+            "optimizer, and read a full grad nowhere (p.grad only tells that a parameter has one)")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError("a sharded grad has no data (see ShardedGrad)")
