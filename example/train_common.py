@@ -1,7 +1,10 @@
 """What every example/<strategy>/train.py shares, so that each train.py shows
 only its model, its optimizer and the training loop, as nanoGPT's does:
 
-    parse_args, load_data, build_model   flags, the byte-level data, the GPT
+    parse_args, load_data, build_model   flags, the byte-level data, the model:
+                                         an example GPT or Llama, or hf:DIR
+    load_weights                         hf:DIR: its saved weights, each rank
+                                         reading the parts it holds
     param_groups, schedule               AdamW's groups (no decay on 1-D
                                          parameters) and the learning rate:
                                          a linear warm-up, then cosine to lr/10
@@ -27,8 +30,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from example import hf
 from example.data import ByteData, load_text
-from example.model import CONFIGS, build_model as build_gpt
+from example.model import CONFIGS, build_model as build_example
 import tiny_zero
 from tiny_zero import comm
 from tiny_zero.measure import estimate
@@ -39,7 +43,9 @@ MAX_GRAD_NORM = 1.0
 
 def parse_args(description=None, argv=None):
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small", choices=list(CONFIGS), help="model size (default: small)")
+    p.add_argument("--model", default="small", type=model_name, metavar="{" + ",".join([*CONFIGS, "hf:DIR"]) + "}",
+                   help="a model of example/model.py, or hf:DIR, a Hugging Face causal LM saved in the local "
+                        "directory DIR (config and weights; needs transformers) (default: small)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step (default: 16)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence (default: 128)")
@@ -75,11 +81,21 @@ def parse_args(description=None, argv=None):
         args.warmup_steps = args.steps // 10
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
-    block_size = CONFIGS[args.model].block_size
+    try:
+        block_size = hf.block_size(args.model[3:]) if args.model.startswith("hf:") else CONFIGS[args.model].block_size
+    except ValueError as e:
+        p.error(str(e))
     if args.seq_len > block_size:
         p.error(f"--seq-len {args.seq_len} is longer than model {args.model}'s block_size {block_size}")
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the wrappers choose alike
     return args
+
+
+def model_name(value):
+    """--model: a name in example/model.py's CONFIGS, or hf:DIR."""
+    if value in CONFIGS or (value.startswith("hf:") and len(value) > 3):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown model {value!r}; choose from {', '.join(CONFIGS)}, or hf:DIR")
 
 
 def load_data(args):
@@ -93,7 +109,18 @@ def load_data(args):
 
 
 def build_model(args):
-    return build_gpt(args.model, seed=args.seed, checkpoint_activations=args.checkpoint_activations)
+    """The --model: an example model (GPT or Llama), or with hf:DIR a Hugging
+    Face model whose parameters are on meta until load_weights() fills them."""
+    if args.model.startswith("hf:"):
+        return hf.build(args.model[3:], checkpoint_activations=args.checkpoint_activations)
+    return build_example(args.model, seed=args.seed, checkpoint_activations=args.checkpoint_activations)
+
+
+def load_weights(model, args):
+    """hf:DIR: the saved weights into the model (a wrapper: each rank reads the
+    parts it holds). The example models have theirs from the seed."""
+    if args.model.startswith("hf:"):
+        tiny_zero.checkpoint.load_pretrained(model, args.model[3:])
 
 
 def strategy_options(args):

@@ -120,6 +120,17 @@ def test_cli_gpt2_xl_zero3_on_64_ranks():
     assert "3Ψ(N-1)/N" in out.stdout
 
 
+def test_llama_8b_on_8_ranks(capsys):
+    """The Llama shapes: every parameter counted, its RMSNorm layers among the
+    layers (fsdp's units, zero3's broadcasts), the fsdp share 16Ψ/N."""
+    estimate.main(["--model", "llama-8b", "--strategy", "fsdp", "--world-size", "8"])
+    out = capsys.readouterr().out
+    assert "Ψ = 8,030,261,248 parameters" in out
+    module = build_model("llama-8b", device="meta")
+    assert len(estimate.layers(module)) == 32 * 9 + 3  # per block 7 Linear, 2 RMSNorm; embedding, norm, head
+    assert estimate.comm_per_step(module, "fsdp", 8)["reduce_scatter"] == 8_030_261_248  # no padding needed
+
+
 def test_cli_errors(capsys):
     with pytest.raises(SystemExit, match="unknown model 'gpt5'"):
         estimate.main(["--model", "gpt5"])

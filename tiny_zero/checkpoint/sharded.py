@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..materialize import weights_loaded
 from ..state_dicts import state_dict_names
 
 log = logging.getLogger("tiny_zero")
@@ -179,6 +180,7 @@ def load(path, model, opt):
         opt.skipped_steps = skipped_steps
     for key, value in meta["buffers"].items():
         model.module.get_buffer(key).copy_(value)
+    weights_loaded(model.module)  # a model built on meta without an init may now run
     return {"step": meta["step"], "extra": meta["extra"]}
 
 

@@ -36,7 +36,7 @@ import torch
 from ..comm import DEFAULT_BUCKET_BYTES, make_buckets
 from ..comm import gather_units
 from ..fsdp.wrapper import flat_units
-from ..module import torch_type
+from ..module import layer_kind
 from ..zero3.wrapper import loads, owner_table, unit_params
 from ..precision import param_dtype
 
@@ -165,9 +165,9 @@ def fsdp_units(module, world_size):
 
 
 def layers(module):
-    """The layers that hold parameters (Linear, LayerNorm, Embedding), in module order."""
+    """The layers that hold parameters (those tiny_zero converts), in module order."""
     return [m for m in module.modules()
-            if torch_type(m) is not None and any(True for _ in m.parameters(recurse=False))]
+            if layer_kind(m) is not None and any(True for _ in m.parameters(recurse=False))]
 
 
 def fmt_bytes(n):
