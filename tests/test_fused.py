@@ -73,8 +73,31 @@ def test_layer_norm_on_cpu_is_the_reference(shape, affine):
     assert not compare("cpu", False, torch.float32, shape, affine)
 
 
-def test_layer_norm_on_cpu_in_bf16():
-    assert not compare("cpu", False, torch.bfloat16, (9, 48), tol=3e-2)
+def test_layers_choose_the_fast_path_and_match_the_reference():
+    """A tiny_zero LayerNorm takes the fast path on fp32 CPU input and gives
+    the reference's output and grads (fused.ENABLED = False); bf16 input keeps
+    the reference (fp32 statistics)."""
+    from tiny_zero.module import LayerNorm
+    torch.manual_seed(0)
+    layer = LayerNorm(24)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    x = torch.randn(5, 6, 24)
+    results = []
+    for enabled in (True, False):
+        fused.ENABLED = enabled
+        try:
+            xi = x.clone().requires_grad_()
+            out = layer(xi)
+            out.square().sum().backward()
+            results.append((out, xi.grad, layer.weight.grad, layer.bias.grad))
+            layer.zero_grad()
+        finally:
+            fused.ENABLED = True
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fused.available(x, 1, (layer.weight,)) and not fused.available(x.bfloat16(), 1, (layer.weight,))
 
 
 def test_the_fast_path_is_chosen_where_it_applies():
@@ -93,8 +116,34 @@ for rms in (False, True):
     for shape in shapes:
         failures += t.compare("cpu", rms, torch.float32, shape, via_triton=True)
 failures += t.compare("cpu", False, torch.float32, (70, 37), affine=(False, False), via_triton=True)
+failures += t.rms_variants_in_the_interpreter()
 print(json.dumps(failures))
 """
+
+
+def rms_variants_in_the_interpreter():
+    """Hugging Face's cast of x̂ before the scale, and Gemma's 1 + w: the
+    Triton kernels against the tiny_zero RMSNorm's hand-written math."""
+    from tiny_zero.module import RMSNorm
+    failures = []
+    for cast_first, offset in ((True, 0.0), (False, 1.0)):
+        torch.manual_seed(0)
+        layer = RMSNorm(37, eps=1e-6)
+        layer.cast_before_scale, layer.weight_offset = cast_first, offset
+        with torch.no_grad():
+            layer.weight.normal_()
+        x = torch.randn(70, 37, requires_grad=True)
+        fused.ENABLED = False
+        out = layer(x)
+        out.square().sum().backward()
+        want = (out.detach(), x.grad, layer.weight.grad)
+        y, rstd = fused._launch_forward(x.detach(), layer.weight.detach(), None, 1e-6, True, cast_first, offset)[::2]
+        dx, dw, _ = fused._launch_backward(2 * want[0], x.detach(), layer.weight.detach(), None, None, rstd,
+                                           (True, True, False), True, cast_first, offset)
+        for name, a, b in zip(("y", "dx", "dw"), (y, dx, dw), want):
+            if not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
+                failures.append(f"rms cast_first={cast_first} offset={offset} {name}: {(a - b).abs().max():.2e}")
+    return failures
 
 
 def test_triton_kernels_in_the_interpreter():
@@ -111,3 +160,28 @@ def test_triton_kernels_in_the_interpreter():
 def test_triton_kernels_on_cuda(rms, dtype, tol):
     for shape in [(4096, 768), (1000, 1600), (3, 5, 4097)]:
         assert not compare("cuda", rms, dtype, shape, tol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the compiled kernels run only on a GPU")
+def test_rms_norm_variants_on_cuda_in_bf16():
+    """In bf16, Hugging Face's cast before the scale changes the rounding: the
+    kernels follow the layer's hand-written math."""
+    from tiny_zero.module import RMSNorm
+    for cast_first, offset in ((True, 0.0), (False, 1.0), (False, 0.0)):
+        torch.manual_seed(0)
+        layer = RMSNorm(768, eps=1e-6).cuda().bfloat16()
+        layer.cast_before_scale, layer.weight_offset = cast_first, offset
+        x = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16)
+        results = []
+        for enabled in (True, False):
+            fused.ENABLED = enabled
+            try:
+                xi = x.clone().requires_grad_()
+                out = layer(xi)
+                out.float().square().sum().backward()
+                results.append((out.float(), xi.grad.float(), layer.weight.grad.float()))
+                layer.zero_grad()
+            finally:
+                fused.ENABLED = True
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

@@ -23,6 +23,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
+from . import fused
+
 
 def in_backward_pass():
     """True while autograd's engine runs a backward pass (in this thread)."""
@@ -123,6 +125,11 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
         return tuple(range(-len(self.normalized_shape), 0))
 
     def forward_callback(self, ctx, x):
+        ctx.fused = not ctx.autocast and fused.available(x, len(self.normalized_shape), (self.weight, self.bias))
+        if ctx.fused:  # the same math in fewer passes (fused.py); the lines below are its reference
+            y, mean, rstd = fused.layer_norm(x, self.weight, self.bias, self.eps)
+            ctx.save_for_backward(x, mean, rstd)
+            return y
         dims = self._dims()
         x32 = x.to(_stats_dtype(x))  # statistics in fp32 (or fp64) for every input dtype
         mean = x32.mean(dims, keepdim=True)
@@ -138,20 +145,30 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
 
     def backward_callback(self, ctx, grad_out):
         x, mean, rstd = ctx.saved
+        if ctx.fused:
+            needs = (ctx.needs_input_grad[1], trains(self.weight), trains(self.bias))
+            grad_x, grad_w, grad_b = fused.layer_norm_backward(grad_out, x, self.weight, self.bias, mean, rstd, needs)
+            self._accumulate(grad_w, grad_b)
+            return grad_x
         dims = self._dims()
         width = self.weight.numel() if self.weight is not None else None
         xhat = (x.to(mean.dtype) - mean) * rstd
         dy = grad_out.to(mean.dtype)
-        if trains(self.weight):
-            self.accumulate_grad(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))  # dγ = Σ dy x̂
-        if trains(self.bias):
-            self.accumulate_grad(self.bias, _rows(dy, width).sum(0).view_as(self.bias))  # dβ = Σ dy
+        grad_w = _rows(dy * xhat, width).sum(0).view_as(self.weight) if trains(self.weight) else None  # dγ = Σ dy x̂
+        grad_b = _rows(dy, width).sum(0).view_as(self.bias) if trains(self.bias) else None  # dβ = Σ dy
+        self._accumulate(grad_w, grad_b)
         if not ctx.needs_input_grad[1]:
             return None
         g = dy * self.weight.to(dy.dtype) if self.weight is not None else dy
         # dx = (g - mean(g) - x̂ mean(g x̂)) / σ
         grad_x = rstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
         return grad_x.to(x.dtype)
+
+    def _accumulate(self, grad_w, grad_b):
+        if grad_w is not None:
+            self.accumulate_grad(self.weight, grad_w)
+        if grad_b is not None:
+            self.accumulate_grad(self.bias, grad_b)
 
 
 class RMSNorm(CallbackLayer, nn.RMSNorm):
@@ -179,6 +196,11 @@ class RMSNorm(CallbackLayer, nn.RMSNorm):
     def forward_callback(self, ctx, x):
         x32 = x.to(_stats_dtype(x))  # statistics in fp32 (or fp64) for every input dtype
         eps = self.eps if self.eps is not None else torch.finfo(x32.dtype).eps  # torch's default
+        ctx.fused = not ctx.autocast and fused.available(x, len(self.normalized_shape), (self.weight,), rms=True)
+        if ctx.fused:  # the same math in fewer passes (fused.py, CUDA); the lines below are its reference
+            y, rstd = fused.rms_norm(x, self.weight, eps, self.cast_before_scale, self.weight_offset)
+            ctx.save_for_backward(x, rstd)
+            return y
         rstd = torch.rsqrt(x32.pow(2).mean(self._dims(), keepdim=True) + eps)  # 1 / rms
         ctx.save_for_backward(x, rstd)
         xhat = x32 * rstd
@@ -190,6 +212,13 @@ class RMSNorm(CallbackLayer, nn.RMSNorm):
 
     def backward_callback(self, ctx, grad_out):
         x, rstd = ctx.saved
+        if ctx.fused:
+            needs = (ctx.needs_input_grad[1], trains(self.weight))
+            grad_x, grad_w = fused.rms_norm_backward(grad_out, x, self.weight, rstd, needs, self.cast_before_scale,
+                                                     self.weight_offset)
+            if grad_w is not None:
+                self.accumulate_grad(self.weight, grad_w)
+            return grad_x
         xhat = x.to(rstd.dtype) * rstd
         width = math.prod(self.normalized_shape)
         if self.weight is None:
