@@ -3,6 +3,7 @@ comm counts, well-formed spans, the memory breakdown's peak, a valid Chrome
 trace, and overlap computed from the spans; and recording changes nothing
 that training computes. Every strategy in one spawned world of 2 ranks."""
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -154,3 +155,34 @@ def test_pictures_are_drawn(world2, tmp_path):
     draw.memory([(n, recorded(world2, n)[0]["traces"]) for n in RUNS], tmp_path / "memory.png")
     for png in ("timeline.png", "memory.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- --trace on the examples
+
+def test_single_device_example_records_a_step(tmp_path, monkeypatch):
+    from test_examples import TINY, losses, run_in_process
+    flags = [*TINY, "--steps", "3", "--batch-size", "2"]
+    plain = run_in_process("single_device", *flags)
+    out = run_in_process("single_device", *flags, "--trace", str(tmp_path / "with"))
+    assert losses(out) == losses(plain) and len(losses(out)) == 3
+    traces, title = trace.read(tmp_path / "with" / "trace.json")
+    assert len(traces) == 1 and "step 2" in title and traces[0]["peak_exact"]
+    assert (tmp_path / "with" / "trace.png").is_file()
+    assert "hidden" not in out and "no communication" in out
+
+    from tiny_zero.measure import draw
+    monkeypatch.setattr(draw, "pyplot", lambda: (_ for _ in ()).throw(ImportError("no matplotlib")))
+    out = run_in_process("single_device", *flags, "--trace", str(tmp_path / "without"))
+    assert (tmp_path / "without" / "trace.json").is_file() and not (tmp_path / "without" / "trace.png").exists()
+    assert 'pip install -e ".[plot]", then python -m tiny_zero.measure.draw' in out
+
+
+def test_two_ranks_record_a_step_and_train_alike(tmp_path):
+    from test_examples import TINY, losses, run_in_process, torchrun
+    one_device = losses(run_in_process("single_device", *TINY, "--steps", "4", "--batch-size", "4"))
+    out = torchrun("ddp", *TINY, "--steps", "4", "--batch-size", "2", "--trace", str(tmp_path))
+    assert losses(out) == pytest.approx(one_device, rel=1e-5, abs=0)
+    traces, _ = trace.read(tmp_path / "trace.json")
+    assert [t["rank"] for t in traces] == [0, 1]
+    assert all(trace.of(t, "comm") and trace.of(t, "layer") for t in traces)
+    assert re.search(r"^ddp .* hidden under compute .* waiting .* peak", out, re.MULTILINE)
