@@ -185,4 +185,4 @@ def test_two_ranks_record_a_step_and_train_alike(tmp_path):
     traces, _ = trace.read(tmp_path / "trace.json")
     assert [t["rank"] for t in traces] == [0, 1]
     assert all(trace.of(t, "comm") and trace.of(t, "layer") for t in traces)
-    assert re.search(r"^ddp .* hidden under compute .* waiting .* peak", out, re.MULTILINE)
+    assert re.search(r"^ddp: .* hidden under compute; waited .* peak", out, re.MULTILINE)

@@ -74,8 +74,9 @@ def stack(ax, trace, scale=MIB):
                  colors=[CATEGORY_COLORS[c] for c in CATEGORIES], linewidth=0)
     size, t, _ = peak(trace)
     ax.plot([ms(t)], [size / scale], marker="v", color="black", markersize=6)
-    ax.annotate(f"peak {size / scale:.1f} MiB", (ms(t), size / scale), textcoords="offset points", xytext=(4, 4),
-                fontsize=8)
+    late = t > trace["end"] / 2  # the label goes on the side with room
+    ax.annotate(f"peak {size / scale:.1f} MiB", (ms(t), size / scale), textcoords="offset points",
+                xytext=(-6 if late else 6, 2), ha="right" if late else "left", fontsize=8)
 
 
 def legend_items(plt, kinds):
@@ -99,7 +100,7 @@ def timeline(traces, path, title=""):
     mark_phases(memory_ax, traces[0], label=False)
     stack(memory_ax, traces[0])
     memory_ax.set_ylabel("rank 0\nMiB live", fontsize=9)
-    memory_ax.legend(loc="upper right", fontsize=7, ncol=2)
+    memory_ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=7, frameon=False)
     memory_ax.set_xlabel("ms from the start of the step")
     fig.suptitle(title, y=0.995, fontsize=11)
     fig.tight_layout()
@@ -117,8 +118,9 @@ def memory(runs, path):
         ax.set_title(name, pad=14)
         ax.set_xlabel("ms")
     axes[0][0].set_ylabel("MiB live on rank 0")
-    axes[0][-1].legend(loc="upper right", fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -498,10 +498,12 @@ def summary(traces):
 
 
 def summary_line(name, traces):
+    """One line: 'ddp: 62.0% of the 80.1 ms with a collective in flight hidden under compute; ...'."""
     s = summary(traces)
     hidden = "no communication" if s["hidden"] is None else \
-        f"{s['hidden']:6.1%} of {s['comm_us'] / 1e3:6.1f} ms in flight hidden under compute"
-    waits = ", ".join(f"{w / 1e3:.1f}" for w in s["waiting_us"])
+        f"{s['hidden']:.1%} of the {s['comm_us'] / 1e3:.1f} ms with a collective in flight hidden under compute"
+    waits = " / ".join(f"{w / 1e3:.1f}" for w in s["waiting_us"])
     p = s["peak"]
-    return (f"{name:<14} {hidden:<52} waiting {waits:>11} ms of {s['step_us'] / 1e3:6.1f}   "
-            f"peak {p['bytes'] / 2**20:6.2f} MiB (rank {p['rank']}) at {p['us'] / 1e3:.1f} ms: {p['where']}")
+    return (f"{name}: {hidden}; waited {waits} ms (rank {' / '.join(str(t['rank']) for t in traces)}) "
+            f"of a {s['step_us'] / 1e3:.1f} ms step; peak {p['bytes'] / 2**20:.2f} MiB on rank {p['rank']} "
+            f"at {p['us'] / 1e3:.1f} ms ({p['where']})")
