@@ -10,9 +10,10 @@ the same example GPT, the same batches and the same training step as
 example/<strategy>/train.py (forward, backward, clip, AdamW, zero_grad).
 Buckets are --bucket-kb, so that a small model makes several of them: with
 one bucket, nothing can be sent while backward still runs. Each run takes
---warmup steps, then records --repeat steps with tiny_zero.measure.trace
-(what --trace does in the examples) and keeps the fastest (the least
-disturbed by other load on the machine). It writes into --out (default
+--warmup steps, runs --repeat steps, then records --repeat more with
+tiny_zero.measure.trace (what --trace does in the examples) and keeps the
+fastest (the least disturbed by other load on the machine); the fastest
+step of each kind says what recording costs. It writes into --out (default
 docs/), with matplotlib (pip install -e ".[plot]"):
 
   timeline_<strategy>.png  ranks as rows, a compute and a comm lane each,
@@ -21,9 +22,10 @@ docs/), with matplotlib (pip install -e ".[plot]"):
                            by side on one scale, forward/backward/step shaded
 
 and with --traces DIR each run's Chrome/Perfetto JSON (DIR/<run>.json).
-Rank 0 prints, per run: the share of the time a collective was in flight
-that the rank was computing (not blocked in a wait), the time each rank
-waited, and the peak of live tensor bytes with where in the step it came.
+Rank 0 prints a markdown table, a row per run: the share of the time a
+collective was in flight during which the rank computed (was not blocked in
+a wait), the time each rank waited, and the peak of live tensor bytes with
+where in the step it came.
 docs/overlap.md reads the pictures.
 """
 import argparse
@@ -58,10 +60,10 @@ def parse_args():
                    help="tokens per sequence (default: 64: the model's state outweighs its activations)")
     p.add_argument("--bucket-kb", type=int, default=512,
                    help="gradient bucket size of ddp, zero1, zero2 and zero3 (default: 512)")
-    p.add_argument("--warmup", type=int, default=2, help="steps before the recorded ones (default: 2)")
+    p.add_argument("--warmup", type=int, default=2, help="steps first, neither timed nor recorded (default: 2)")
     p.add_argument("--repeat", type=int, default=3,
-                   help="steps recorded; the one whose slowest rank was fastest is kept, as the least disturbed "
-                        "by other load (default: 3)")
+                   help="steps timed, then steps recorded; the recorded one whose slowest rank was fastest is "
+                        "kept, as the least disturbed by other load (default: 3)")
     p.add_argument("--out", default="docs", help="where the PNGs go (default: docs)")
     p.add_argument("--traces", default=None, help="also write each run's Chrome/Perfetto JSON into this folder")
     args = p.parse_args()
@@ -98,29 +100,32 @@ def train_step(model, opt, x, y):
 
 
 def record(name, args, data, device):
-    """Warm up, then record --repeat steps: (every rank's record of the
-    fastest, the seconds of the last warm-up step, unrecorded)."""
+    """Warm up, run --repeat steps, then record --repeat more. Returns every
+    rank's record of the recorded step whose slowest rank was fastest, and
+    rank 0's wall-clock seconds of the fastest step of each kind (recorded,
+    not recorded)."""
     alone = name == "single_device"  # one process, the global batch
     rank, world_size = (0, 1) if alone else (dist.get_rank(), dist.get_world_size())
     rows = args.batch_size * (dist.get_world_size() if alone else 1)
-    recorded = []
+    recorded, seconds = [], {True: [], False: []}
     gc.collect()  # the previous run's tensors go before this one is counted
     with TensorMemory() as memory:  # counting from before the model is built, as the examples do
         model, opt = build(name, args, device)
         memory.attach(model, opt)
-        for step in range(args.warmup + args.repeat):
+        for step in range(args.warmup + 2 * args.repeat):
             x, y = (t.to(device) for t in data.get_batch("train", rows, step, 0, rank, world_size))
-            if step < args.warmup:
-                began = now(device)
-                train_step(model, opt, x, y)
-                before = now(device) - began
-                continue
-            recorder = trace.Recorder(model, opt, memory)
-            recorder.start()
+            recording = step >= args.warmup + args.repeat
+            if recording:
+                recorder = trace.Recorder(model, opt, memory)
+                recorder.start()
+            began = now(device)
             train_step(model, opt, x, y)
-            mine = recorder.stop()
-            recorded.append([mine] if alone else trace.gather(mine))  # every rank gets all: they choose alike
-    return min(recorded, key=lambda traces: trace.summary(traces)["step_us"]), before
+            if step >= args.warmup:
+                seconds[recording].append(now(device) - began)
+            if recording:
+                mine = recorder.stop()
+                recorded.append([mine] if alone else trace.gather(mine))  # every rank gets all: they choose alike
+    return min(recorded, key=lambda traces: trace.summary(traces)["step_us"]), min(seconds[True]), min(seconds[False])
 
 
 def now(device):
@@ -139,20 +144,29 @@ def main():
         if name == "single_device" and rank != 0:
             dist.barrier()  # rank 0 runs it alone
             continue
-        traces, before = record(name, args, data, device)
+        traces, *seconds = record(name, args, data, device)
         if name == "single_device" and world_size > 1:
             dist.barrier()
-        results.append((name, traces, before))
+        results.append((name, traces, seconds))
     if rank == 0:
         report(results, args)
     dist.destroy_process_group()
 
 
 def report(results, args):
-    print(f"one step of --model {args.model}, batch {args.batch_size} x {args.seq_len} per rank, "
-          f"buckets of {args.bucket_kb} KiB; times in ms")
-    for name, traces, before in results:
-        print(trace.summary_line(name, traces) + f"; the step before, unrecorded: {before * 1e3:.1f} ms")
+    print(f"--model {args.model}, {args.batch_size} x {args.seq_len} tokens per rank, buckets of {args.bucket_kb} KiB. "
+          f"Of {args.repeat} recorded steps, the one whose slowest rank was fastest. Times in ms; a step's "
+          f"is rank 0's wall clock, the fastest of {args.repeat} recorded and of {args.repeat} not.\n")
+    print("| run | hidden under compute, of the time in flight | waited (rank 0 / 1 / ...) | step: recorded "
+          "| not recorded | peak | where |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, traces, (recorded, plain) in results:
+        s = trace.summary(traces)
+        hidden = "none sent" if s["hidden"] is None else f"{s['hidden']:.0%} of {s['comm_us'] / 1e3:.1f}"
+        waited = " / ".join(f"{w / 1e3:.1f}" for w in s["waiting_us"])
+        peak = s["peak"]
+        print(f"| {name} | {hidden} | {waited} | {recorded * 1e3:.1f} | {plain * 1e3:.1f} "
+              f"| {peak['bytes'] / 2**20:.2f} MiB (rank {peak['rank']}) | {peak['where']} |")
         if args.traces:
             os.makedirs(args.traces, exist_ok=True)
             trace.write(os.path.join(args.traces, f"{name}.json"), traces, name)
@@ -163,9 +177,9 @@ def report(results, args):
                 draw.timeline(traces, os.path.join(args.out, f"timeline_{name}.png"),
                               f"{name}: one training step on {len(traces)} ranks (--model {args.model})")
         draw.memory([(name, traces) for name, traces, _ in results], os.path.join(args.out, "memory_over_step.png"))
-        print(f"wrote {args.out}/timeline_<strategy>.png and {args.out}/memory_over_step.png")
+        print(f"\nwrote {args.out}/timeline_<strategy>.png and {args.out}/memory_over_step.png")
     except ImportError:
-        print('no pictures: matplotlib is missing (pip install -e ".[plot]")')
+        print('\nno pictures: matplotlib is missing (pip install -e ".[plot]")')
 
 
 if __name__ == "__main__":
