@@ -57,6 +57,7 @@ import gc
 import json
 import sys
 import time
+import weakref
 from collections import defaultdict
 
 import torch
@@ -170,7 +171,7 @@ class Recorder:
         """A collective just launched (at stamp `launched`): its span ends
         when its future completes."""
         index = len(self.collectives)
-        pending.span = self, index
+        pending.span = weakref.ref(self), index  # no reference back to the model from what the strategy holds
         self.collectives.append({"cat": "comm", "name": pending.kind, "start": launched, "done": None, "seen": None,
                                  "args": {"bytes": tensor.numel() * tensor.element_size(),
                                           "elements": tensor.numel(), "where": pending.where, "number": index}})
@@ -186,8 +187,8 @@ class Recorder:
 
     def waited(self, pending, started):
         ended = self.stamp()
-        recorder, index = pending.span or (None, None)
-        if recorder is not self:  # launched before the recording began, or a side-channel agreement
+        recorder, index = pending.span or (lambda: None, None)
+        if recorder() is not self:  # launched before the recording began, or a side-channel agreement
             index = None
         else:
             self.collectives[index]["seen"] = ended  # its completion, if the future said nothing before
