@@ -153,7 +153,9 @@ def test_pictures_are_drawn(world2, tmp_path):
     from tiny_zero.measure import draw
     draw.timeline(recorded(world2, "zero2")[0]["traces"], tmp_path / "timeline.png", "zero2")
     draw.memory([(n, recorded(world2, n)[0]["traces"]) for n in RUNS], tmp_path / "memory.png")
-    for png in ("timeline.png", "memory.png"):
+    trace.write(tmp_path / "fsdp.json", recorded(world2, "fsdp")[0]["traces"], "fsdp")
+    draw.main([str(tmp_path / "fsdp.json")])  # python -m tiny_zero.measure.draw: from the JSON alone
+    for png in ("timeline.png", "memory.png", "fsdp.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
