@@ -10,6 +10,7 @@ only its model, its optimizer and the training loop, as nanoGPT's does:
                                          a linear warm-up, then cosine to lr/10
     Run                                  everything else, one call each: memory
                                          accounting, --resume and --save-every,
+                                         --trace (one step recorded),
                                          the batches, the printed lines, a
                                          non-finite loss, eval and the report
 
@@ -35,10 +36,11 @@ from example.data import ByteData, load_text
 from example.model import CONFIGS, build_model as build_example
 import tiny_zero
 from tiny_zero import comm
-from tiny_zero.measure import estimate
+from tiny_zero.measure import draw, estimate, trace
 from tiny_zero.measure.memory import TensorMemory
 
 MAX_GRAD_NORM = 1.0
+TRACED_STEP = 2  # --trace records the third step: the first two warm up (optimizer state, the layer order)
 
 
 def parse_args(description=None, argv=None):
@@ -68,6 +70,9 @@ def parse_args(description=None, argv=None):
     p.add_argument("--resume", action="store_true", help="continue from --save-dir if it holds a checkpoint")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip (and count) a step whose loss is inf/nan instead of stopping with an error")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="record the third step (or the last) on every rank: DIR/trace.json for ui.perfetto.dev, "
+                        "DIR/trace.png with matplotlib (docs/overlap.md)")
     args = p.parse_args(argv)
     if (args.save_every or args.resume) and not args.save_dir:
         p.error("--save-every and --resume need --save-dir")
@@ -202,7 +207,35 @@ class Run:
                         initial=first, total=self.args.steps)
         self.start = self.last = time.perf_counter()
         self.first = first
-        return self.bar
+        self.recorded = None
+        return self.traced(self.bar) if self.args.trace else self.bar
+
+    def traced(self, steps):
+        """--trace: the same steps; one after warm-up is recorded (tiny_zero.measure.trace)."""
+        chosen = min(self.first + TRACED_STEP, self.args.steps - 1)
+        for step in steps:
+            if step != chosen:
+                yield step
+                continue
+            recorder = trace.Recorder(self.model, self.opt, self.memory)
+            recorder.start()
+            yield step
+            self.recorded = trace.gather(recorder.stop()), step  # written at the end, out of the timing
+
+    def write_trace(self):
+        traces, step = self.recorded
+        args = self.args
+        os.makedirs(args.trace, exist_ok=True)
+        path, picture = os.path.join(args.trace, "trace.json"), os.path.join(args.trace, "trace.png")
+        title = f"{self.accounting.strategy}, {self.world_size} rank(s), --model {args.model}, step {step}"
+        trace.write(path, traces, title)
+        print(f"trace of step {step}: {path} (open it in ui.perfetto.dev)")
+        print(trace.summary_line(self.accounting.strategy, traces))
+        try:
+            draw.timeline(traces, picture, title)
+            print(f"its picture: {picture}")
+        except ImportError:  # matplotlib is the optional extra "plot"
+            print(f"for its picture: pip install -e \".[plot]\", then python -m tiny_zero.measure.draw {path}")
 
     def batch(self, step, split="train"):
         args = self.args
@@ -287,6 +320,8 @@ class Run:
             print(f"val loss {val_loss:.6f}")
             print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {self.peak_memory_kind()})")
         self.accounting.report()
+        if self.recorded and rank == 0:
+            self.write_trace()
 
     @torch.no_grad()
     def evaluate(self):

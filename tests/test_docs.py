@@ -482,6 +482,14 @@ def test_strategy_page_cites_every_marked_function(name):
     assert own - cited == set(), f"docs/{name}.md does not cite {sorted(own - cited)}"
 
 
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_strategy_page_shows_its_step(name):
+    """The pictures example/benchmark/timeline.py draws: the strategy's timeline
+    and the memory of all strategies (test_local_links_exist: they exist)."""
+    images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", prose(strategy_page(name)))
+    assert {f"timeline_{name}.png", "memory_over_step.png"} <= set(images)
+
+
 def test_shared_marked_functions_are_cited_somewhere():
     cited = {f"{m.group(1)}: {m.group(2)}" for p in PAGES for s in code_spans(p) if (m := CITATION.match(s))}
     shared = {f"{f}: {q}" for f, q in strategy_marks()

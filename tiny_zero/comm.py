@@ -32,6 +32,7 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # every strategy's default bucket_bytes, as t
 
 timeout = timedelta(minutes=10)
 where = "setup"  # what the strategy is doing now
+recorder = None  # while tiny_zero.measure.trace records a step: told of each collective and each wait
 
 
 def set_timeout(seconds):
@@ -55,8 +56,10 @@ class Pending:
     def __init__(self, work, kind, tensor):
         self.work, self.kind, self.where = work, kind, where
         self.numel, self.on_cuda = tensor.numel(), tensor.is_cuda
+        self.span = None  # its span in the recorder's trace, while one records
 
     def wait(self):
+        started = recorder.stamp() if recorder is not None else None
         try:
             if self.on_cuda:
                 self.work.wait()
@@ -67,6 +70,8 @@ class Pending:
                 f"{self.kind} of {self.numel} elements, started in {self.where} and waited for in "
                 f"{where}, failed or timed out after {timeout}: a rank may have skipped a forward or "
                 f"backward that the others ran, or died ({e})") from e
+        if recorder is not None:
+            recorder.waited(self, started)
 
 
 class CommStats:
@@ -89,7 +94,10 @@ stats = CommStats()
 
 def _run(kind, tensor, launch, async_op):
     stats.record(kind, tensor)
+    launched = recorder.stamp() if recorder is not None else None
     pending = Pending(launch(), kind, tensor)
+    if recorder is not None:
+        recorder.collective(pending, tensor, launched)
     if async_op:
         return pending
     pending.wait()

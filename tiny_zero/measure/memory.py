@@ -76,6 +76,9 @@ class TensorMemory(TorchDispatchMode):
         self._saved = Counter()  # id(storage) -> tensors autograd holds for backward
         self._holders = None  # (model, optimizer), from attach()
         self._hooks = None
+        # f(key, delta), told of each change just before it: key = id(storage),
+        # delta its bytes, negative when it is freed (tiny_zero.measure.trace)
+        self.listeners = []
 
     @classmethod
     def _should_skip_dynamo(cls):
@@ -132,15 +135,22 @@ class TensorMemory(TorchDispatchMode):
         """{category: bytes} of the storages alive now (see the module docstring)."""
         return self._classify()
 
-    def _classify(self):  # what breakdown() returns; used inside, so a subclass may redefine breakdown()
+    def categories(self):
+        """{id(storage): category} of the storages alive now, and their bytes:
+        ({key: category}, {key: bytes})."""
         category_of = {}
         if self._holders is not None:
             for category, tensors in held_tensors(*self._holders).items():
                 for s in self._storages(tensors):
                     category_of.setdefault(id(s), category)
+        live = dict(self._bytes)  # a copy: the garbage collector may free storages meanwhile
+        return {key: category_of.get(key) or ("activations" if self._saved[key] else "other") for key in live}, live
+
+    def _classify(self):  # what breakdown() returns; used inside, so a subclass may redefine breakdown()
         out = dict.fromkeys(CATEGORIES, 0)
-        for key, size in list(self._bytes.items()):  # a copy: the garbage collector may free storages meanwhile
-            out[category_of.get(key) or ("activations" if self._saved[key] else "other")] += size
+        category_of, live = self.categories()
+        for key, size in live.items():
+            out[category_of[key]] += size
         return out
 
     @property
@@ -175,6 +185,8 @@ class TensorMemory(TorchDispatchMode):
             return
         self._settle()
         size = storage.nbytes()
+        for listener in self.listeners:
+            listener(key, size)
         self._bytes[key] = size
         self.current += size
         weakref.finalize(storage, self._free, key).atexit = False
@@ -184,6 +196,8 @@ class TensorMemory(TorchDispatchMode):
 
     def _free(self, key):
         self._settle()
+        for listener in self.listeners:
+            listener(key, -self._bytes[key])
         self.current -= self._bytes.pop(key)
 
     def _settle(self):
@@ -253,4 +267,4 @@ def wrapper_held(model, optimizer_state):
     return {"parameters": [model.working.get(t, t) for t in stored] + [model.nothing],
             "optimizer_state": optimizer_state + list(model.working),
             "gradients": list(model.grads.values()) + grads + [buckets.flat],
-            "comm_buffers": temporary + gathered + [p.data for _, p in model.named_params]}
+            "comm_buffers": temporary + gathered + [p for _, p in model.named_params]}
