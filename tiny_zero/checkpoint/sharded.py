@@ -71,8 +71,7 @@ def _write_shard(saving, model, opt):
     """This rank's pieces, the loss scaler's state; returns what meta.pt needs."""
     pieces = model.pieces()
     layout = {p.name: (tuple(p.shape), str(p.tensor.dtype).removeprefix("torch.")) for p in pieces}
-    replicated = [p for p in pieces if p.replicated]  # held by every replica: each written once, round-robin
-    pieces = [p for p in pieces if not p.replicated] + replicated[model.replica::model.replicas]
+    pieces = model.pieces_to_save()  # each element by one rank only
     shard = {"format": SHARD_FORMAT, "version": VERSION, "rank": model.rank, "world_size": model.world_size,
              **{kind: {} for kind in KINDS}, "step": {}, "checksums": {}}
     for piece in pieces:
