@@ -2,6 +2,7 @@
 
 See the package docstring (tiny_zero/checkpoint/__init__.py) for the format.
 """
+import bisect
 import logging
 import math
 import os
@@ -267,10 +268,13 @@ class ShardReader:
 
     def __init__(self, directory, meta):
         self.directory, self.meta = directory, meta
-        self.where = {}  # parameter name -> [(lo, hi, file)]
+        self.where = {}  # parameter name -> [(lo, hi, file)], in order (the ranges do not overlap)
         for file, info in meta["files"].items():
             for name, lo, hi in info["ranges"]:
                 self.where.setdefault(name, []).append((lo, hi, file))
+        for ranges in self.where.values():
+            ranges.sort()
+        self.ends = {name: [hi for _, hi, _ in ranges] for name, ranges in self.where.items()}
         self.opened = {}
         self.checked = set()
 
@@ -284,10 +288,12 @@ class ShardReader:
         count saved with them (the largest, if they came from several ranges)."""
         out = {kind: torch.empty(hi - lo) for kind in kinds}
         step = 0.0
-        for saved_lo, saved_hi, file in self.where.get(name, []):
+        ranges = self.where.get(name, [])
+        i = bisect.bisect_right(self.ends.get(name, []), lo)  # the first saved range that ends after lo
+        while i < len(ranges) and ranges[i][0] < hi:  # (a row of a split weight is one range: there are many)
+            saved_lo, saved_hi, file = ranges[i]
+            i += 1
             a, b = max(lo, saved_lo), min(hi, saved_hi)
-            if a >= b:
-                continue
             shard, key = self.open(file), (name, saved_lo, saved_hi)
             for kind in kinds:
                 saved = shard[kind].get(key)
