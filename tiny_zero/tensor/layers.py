@@ -8,8 +8,10 @@ tensor group holds slice k of a planned Linear (wrapper.py):
 
 A column Linear followed by a row Linear (attention's q, k, v then o; an MLP's
 up then down) hands its output slice straight to the row Linear, so each
-pair costs one all-reduce in forward and one in backward. The other layers
-are whole on every rank and compute the same thing on each.
+pair costs one all-reduce in forward (the row Linear's) and one in backward:
+the column Linears that read one x (q, k and v) read it through one
+SumOverSlices, so autograd adds their shares of dx before the all-reduce.
+The other layers are whole on every rank and compute the same thing on each.
 
 Every layer's grads are averaged over the replicas as ddp's are: each goes
 into its bucket, and a bucket whose grads are final is all-reduced across
