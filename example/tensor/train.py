@@ -1,7 +1,7 @@
 """Train the example GPT with tensor parallelism (each block's Linears split across ranks).
 
-Run with python (one process) or torchrun --nproc_per_node N, N dividing the
-model's heads (every rank computes N-th of each block); flags: --help.
+Run with python (one process) or torchrun --nproc_per_node N, where N divides
+the model's number of heads (each rank computes the heads of its share); flags: --help.
 """
 import sys
 from pathlib import Path
@@ -24,6 +24,9 @@ def main():
     data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
     with common.Run(args, data) as run:
         model = TensorParallel(common.build_model(args), PLAN, **common.strategy_options(args))
+        if model.module.config.n_head % model.tp_size:  # every rank exits alike
+            raise SystemExit(f"error: {model.tp_size} ranks cannot share {args.model}'s "
+                             f"{model.module.config.n_head} heads evenly")
         opt = TensorParallelAdamW(model, common.param_groups(model.module, args), lr=args.lr)
         sched = common.schedule(opt, args)
         for step in run.steps(model, opt, sched):
