@@ -394,6 +394,29 @@ def training_loop(tp_size):
     return failures
 
 
+def state_dicts(tp_size):
+    """model.state_dict() is full, on every rank, and loads into a fresh
+    wrapper and into plain torch; the optimizer's state_dict loads back where
+    it was made, and training goes on identically."""
+    model = wrap(tp_size)
+    opt = TensorParallelAdamW(model, lr=LR, eps=1.0, weight_decay=WD)
+    for n in range(2):
+        step(model, opt, n)
+    full = model.full_state_dict()
+    fresh = wrap(tp_size)
+    fresh_opt = TensorParallelAdamW(fresh, lr=LR, eps=1.0, weight_decay=WD)
+    fresh.load_state_dict(model.state_dict())
+    fresh_opt.load_state_dict(opt.state_dict())
+    plain = TPNet()
+    plain.load_state_dict({k.removeprefix("module."): v for k, v in model.state_dict().items()})
+    failures = [f"{k}: plain torch did not get it" for k, v in plain.state_dict().items() if not torch.equal(v, full[k])]
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        step(m, o, 2)
+    final = model.full_state_dict()
+    return failures + [f"{k}: training after load_state_dict differs" for k, v in fresh.full_state_dict().items()
+                       if not torch.equal(v, final[k])]
+
+
 # ---------------------------------------------------------------- precision, the example GPT, errors
 
 def precision(tp_size):

@@ -48,6 +48,7 @@ def world2(world3, world4):
         ("memory2", "memory", (2,)),
         ("pieces2", "pieces_cover_the_model", (2,)),
         ("loop", "training_loop", (2,)),
+        ("state_dicts", "state_dicts", (2,)),
         ("precision", "precision", (2,)),
         ("gpt", "example_gpt", (GPT_PLAN, False)),
         ("gpt_checkpointed", "example_gpt", (GPT_PLAN, True)),
@@ -79,7 +80,7 @@ def test_the_example_gpt_with_its_plan(world2):
 
 
 def test_torch_training_loop_semantics(world2):
-    no_failures(world2["loop"])
+    no_failures(world2["loop"] + world2["state_dicts"])
 
 
 def test_mixed_precision(world2):
