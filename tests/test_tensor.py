@@ -4,7 +4,7 @@ all-reduces of Megatron's formula.
 
 Three worlds, in the order the checkpoint goes round: 4 ranks (tp 4, and tp 2
 x 2 replicas, which saves), 3 (fsdp loads it and saves), 2 (tp 2, which loads
-that back), and one torchrun of the example."""
+that back). The example script's run is in tests/test_examples.py."""
 import re
 import sys
 from pathlib import Path
