@@ -19,7 +19,8 @@ over ranks), then the val loss and the peak memory, and (Accounting, at the
 end of the file) the memory at the peak by category and the communication per
 step, each next to tiny_zero.measure.estimate and the ZeRO formula. Each rank
 takes its own rows of one global batch (see example/data.py), so N ranks with
---batch-size b see exactly what one process sees with N * b.
+--batch-size b see exactly what one process sees with N * b (under tensor
+parallelism the ranks of one replica share its rows).
 """
 import argparse
 import math
@@ -38,6 +39,7 @@ import tiny_zero
 from tiny_zero import comm
 from tiny_zero.measure import draw, estimate, trace
 from tiny_zero.measure.memory import TensorMemory
+from tiny_zero.tensor import TensorParallel
 
 MAX_GRAD_NORM = 1.0
 TRACED_STEP = 2  # --trace records the third step: the first two warm up (optimizer state, the layer order)
@@ -197,7 +199,10 @@ class Run:
         """The steps to run, with a progress bar on rank 0 (the model and
         optimizer are the run's from here on)."""
         self.model, self.opt, self.sched = model, opt, sched
-        self.rank, self.world_size = getattr(model, "rank", 0), getattr(model, "world_size", 1)
+        self.rank = getattr(model, "rank", 0)
+        # the data-parallel replica this rank computes: each takes its own rows (every rank, but
+        # under tensor parallelism, where the ranks of a replica compute one model together)
+        self.replica, self.replicas = getattr(model, "replica", 0), getattr(model, "replicas", 1)
         self.device = getattr(model, "device", None) or next(model.parameters()).device
         first = self.resume()
         self.reset_peak()
@@ -239,7 +244,7 @@ class Run:
 
     def batch(self, step, split="train"):
         args = self.args
-        x, y = self.data.get_batch(split, args.batch_size, step, args.seed, self.rank, self.world_size)
+        x, y = self.data.get_batch(split, args.batch_size, step, args.seed, self.replica, self.replicas)
         return x.to(self.device), y.to(self.device)
 
     def skip(self, loss, step):
@@ -260,7 +265,7 @@ class Run:
         mean_loss = average_over_ranks(loss.detach())
         now = time.perf_counter()
         if self.rank == 0:
-            tokens = self.args.batch_size * self.args.seq_len * self.world_size
+            tokens = self.args.batch_size * self.args.seq_len * self.replicas
             self.bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens / (now - self.last):,.0f}")
             tqdm.write(f"step {step} loss {mean_loss:.8f}")
         self.last = now
@@ -315,7 +320,7 @@ class Run:
         peak = self.peak_memory()
         if rank == 0:
             if args.steps > self.first:
-                tokens = args.batch_size * args.seq_len * self.world_size * (args.steps - self.first)
+                tokens = args.batch_size * args.seq_len * self.replicas * (args.steps - self.first)
                 print(f"trained {args.steps - self.first} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s)")
             print(f"val loss {val_loss:.6f}")
             print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {self.peak_memory_kind()})")
@@ -377,7 +382,7 @@ class Accounting:
     def __init__(self, model, opt, memory, args):
         self.model, self.memory, self.args = model, memory, args
         self.strategy = next((name for name, (wrapper, _) in tiny_zero.STRATEGIES.items()
-                             if isinstance(model, wrapper)), "single")
+                             if isinstance(model, wrapper)), "tensor" if isinstance(model, TensorParallel) else "single")
         if memory is not None:
             memory.attach(model, opt)  # from now on the breakdown is taken at each new peak
         self.sent = dict(comm.stats.elements)
@@ -396,7 +401,11 @@ class Accounting:
         with torch.device("meta"):  # the model as built, for Ψ and the estimator: nothing allocated
             module = build_model(self.args)
         numel = sum(p.numel() for p in module.parameters())
-        lines = self.memory_lines(module, numel, precision, n) + self.comm_lines(module, numel, precision, n)
+        if self.strategy == "tensor":
+            lines = self.memory_lines(model.module, sum(p.numel() for p in model.module.parameters()), precision, n)
+            lines += self.tensor_comm_lines(module)
+        else:
+            lines = self.memory_lines(module, numel, precision, n) + self.comm_lines(module, numel, precision, n)
         if rank == 0:
             print("\n".join(line.rstrip() for line in lines))
 
@@ -411,12 +420,14 @@ class Accounting:
         top = max(range(n), key=lambda r: everyone[r][0])
         peak, breakdown, allocator = everyone[top]
         fmt = estimate.fmt_bytes
-        held_like = self.strategy if self.strategy != "single" else "ddp"  # one device holds what ddp holds
+        # one device holds what ddp holds; a tensor parallel rank, what ddp would hold of its slices
+        held_like = self.strategy if self.strategy not in ("single", "tensor") else "ddp"
         partition = estimate.model_state(module, held_like, n, precision)[top]
-        formula = estimate.zero_formula(self.strategy, numel, n, precision)
-        terms = estimate.formula_terms(self.strategy, precision)
+        formula = estimate.zero_formula(held_like, numel, n, precision)
+        terms = estimate.formula_terms(held_like, precision)
         where = f"rank {top}, the highest of {n}" if n > 1 else "one device"
-        lines = [f"memory at the peak ({where}), Ψ = {numel:,}"]
+        lines = [f"memory at the peak ({where}), Ψ = {numel:,}"
+                 + (" (what a rank holds: its slices, the rest whole)" if self.strategy == "tensor" else "")]
         if allocator is not None:
             lines.append(f"  CUDA: max_memory_allocated {fmt(allocator[0])}, max_memory_reserved {fmt(allocator[1])}")
         row = "  {:<17} {:>12} {:>14} {:>14}  {}"
@@ -428,7 +439,7 @@ class Accounting:
                                     fmt(formula[category]), estimate.term_text(*terms[category])))
         state = fmt(sum(breakdown[c] for c in estimate.CATEGORIES)) if breakdown else ""
         lines.append(row.format("= model state", state, fmt(sum(partition.values())), fmt(sum(formula.values())),
-                                estimate.formula_text(self.strategy, precision)))
+                                estimate.formula_text(held_like, precision)))
         if not breakdown:
             lines.append("  (no breakdown: on CUDA the examples leave tiny_zero.measure.memory off)")
             return lines
@@ -457,3 +468,17 @@ class Accounting:
                 + ("; blocks recomputed under --checkpoint-activations gather once more"
                    if multiple == 3 and self.args.checkpoint_activations else "") + ")",
                 f"  ZeRO theory: {multiple}Ψ(N-1)/N = {theory:,.0f}"]
+
+    def tensor_comm_lines(self, module):
+        model = self.model
+        per_step = {kind: count / max(self.steps, 1) for kind, count in self.sent.items()}
+        tokens = self.args.batch_size * self.args.seq_len
+        expected = estimate.tensor_comm_per_step(module, model.plan, model.tp_size, model.replicas, tokens)
+        kinds = ", ".join(f"{kind} {count:,.0f}" for kind, count in per_step.items())
+        return [f"communication per training step (tiny_zero.comm, {self.steps} steps; every rank alike)",
+                f"  collective sizes: {kinds or 'none'} elements",
+                f"  tiny_zero.measure.estimate: all_reduce {expected['all_reduce']:,} (activations in each tensor "
+                f"group of {model.tp_size}: 2 per block in forward, 2 in backward"
+                + (", again in each checkpointed block's forward" if self.args.checkpoint_activations else "")
+                + (f"; the grads a rank holds, across {model.replicas} replicas" if model.replicas > 1 else "")
+                + "; without the grad norm's scalar all-reduce)"]

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+MODEL_PARALLEL = ["tensor"]  # strategy pages too, without the data-parallel byte table
 # Written by the benchmark work; pages may link to it before it lands. Once
 # the file exists it is checked like every other page.
 PENDING = {"docs/benchmarks.md"}
@@ -446,7 +447,7 @@ def mermaid_problems(body):
     return problems
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", STRATEGIES + MODEL_PARALLEL)
 def test_strategy_page_has_a_sequence_diagram(name):
     diagrams = [body for _, body, _ in blocks(strategy_page(name), "mermaid")]
     assert diagrams, f"docs/{name}.md has no mermaid block"
@@ -475,7 +476,7 @@ def strategy_marks():
     return marks
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", STRATEGIES + MODEL_PARALLEL)
 def test_strategy_page_cites_every_marked_function(name):
     cited = {f"{m.group(1)}: {m.group(2)}" for s in code_spans(strategy_page(name)) if (m := CITATION.match(s))}
     own = {f"{f}: {q}" for f, q in strategy_marks() if f.startswith(f"tiny_zero/{name}/")}
@@ -493,7 +494,7 @@ def test_strategy_page_shows_its_step(name):
 def test_shared_marked_functions_are_cited_somewhere():
     cited = {f"{m.group(1)}: {m.group(2)}" for p in PAGES for s in code_spans(p) if (m := CITATION.match(s))}
     shared = {f"{f}: {q}" for f, q in strategy_marks()
-              if not any(f.startswith(f"tiny_zero/{n}/") for n in STRATEGIES)}
+              if not any(f.startswith(f"tiny_zero/{n}/") for n in STRATEGIES + MODEL_PARALLEL)}
     assert shared - cited == set(), f"no page cites {sorted(shared - cited)}"
 
 

@@ -86,6 +86,12 @@ def test_two_ranks_print_the_single_device_losses(strategy, single_device_losses
     assert two_ranks == pytest.approx(single_device_losses, rel=1e-5, abs=0)
 
 
+def test_tensor_parallel_prints_the_single_device_losses(single_device_losses):
+    """example/tensor at 2 ranks is one replica: it takes the whole batch of 4."""
+    two_ranks = losses(torchrun("tensor", *TINY, "--steps", "4", "--batch-size", "4"))
+    assert two_ranks == pytest.approx(single_device_losses, rel=1e-5, abs=0)
+
+
 @pytest.mark.skipif("zero3" not in tiny_zero.STRATEGIES, reason="tiny_zero.zero3 is not there yet")
 def test_readme_main_command():
     """torchrun --nproc_per_node 2 example/zero3/train.py, shortened to 5 steps."""

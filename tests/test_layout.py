@@ -2,8 +2,8 @@
 folders stay parallel, so that `diff -ru tiny_zero/zero2 tiny_zero/zero3`
 shows what one more level of sharding changes.
 
-- ddp, zero1, zero2, zero3 and fsdp have the same four files, the same
-  public names per role (the <Prefix>Layer mixin and LAYER_CLASSES in
+- ddp, zero1, zero2, zero3 and fsdp, and the model-parallel tensor, have
+  the same four files, the same public names per role (the <Prefix>Layer mixin and LAYER_CLASSES in
   layers.py, the wrapper in wrapper.py, <Prefix>AdamW in optim.py), and a
   docstring on top of each file that says what the strategy holds and sends.
 - A reader follows one training step in the folder plus at most three shared
@@ -29,8 +29,14 @@ sys.path.insert(0, str(ROOT))
 import tiny_zero  # noqa: E402
 from tiny_zero.module.swap import DEFAULT_CLASSES  # noqa: E402
 from tiny_zero.strategy import StrategyAdamW, StrategyLayer, Wrapper  # noqa: E402
+from tiny_zero.tensor import TensorParallel, TensorParallelAdamW  # noqa: E402
 
-NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+DATA_PARALLEL = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+# tensor is not in tiny_zero.STRATEGIES: its ranks of one replica take the same batch, where
+# what iterates STRATEGIES gives every rank its own
+CLASSES = {**{name: tiny_zero.STRATEGIES[name] for name in DATA_PARALLEL},
+           "tensor": (TensorParallel, TensorParallelAdamW)}
+NAMES = list(CLASSES)
 FILES = {"__init__.py", "layers.py", "wrapper.py", "optim.py"}
 DOCUMENTED = ["layers.py", "wrapper.py", "optim.py"]  # the files a reader reads top to bottom
 PACKAGE = ROOT / "tiny_zero"
@@ -59,11 +65,11 @@ def top_level_names(path):
 
 def prefix(name):
     """DDP, Zero1, ...: the wrapper's class name, which every public name starts with."""
-    return tiny_zero.STRATEGIES[name][0].__name__
+    return CLASSES[name][0].__name__
 
 
 def test_the_strategies_include_the_five_data_parallel_ones():
-    assert list(tiny_zero.STRATEGIES)[:5] == NAMES
+    assert list(tiny_zero.STRATEGIES)[:5] == DATA_PARALLEL
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -83,12 +89,12 @@ def test_layers_define_the_mixin_and_layer_classes(name):
     for torch_class, cls in module.LAYER_CLASSES.items():
         assert cls.__name__ == prefix(name) + DEFAULT_CLASSES[torch_class].__name__
         assert cls.__mro__[1:4] == (StrategyLayer, mixin, DEFAULT_CLASSES[torch_class])
-    assert tiny_zero.STRATEGIES[name][0].layer_classes is module.LAYER_CLASSES
+    assert CLASSES[name][0].layer_classes is module.LAYER_CLASSES
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_wrapper_and_optim_define_the_registered_classes(name):
-    wrapper, optimizer = tiny_zero.STRATEGIES[name]
+    wrapper, optimizer = CLASSES[name]
     assert wrapper.__name__ in top_level_names(folder(name) / "wrapper.py")
     assert wrapper.__module__ == f"tiny_zero.{name}.wrapper" and issubclass(wrapper, Wrapper)
     assert optimizer.__name__ == prefix(name) + "AdamW"
@@ -100,7 +106,7 @@ def test_wrapper_and_optim_define_the_registered_classes(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_hook_of_the_base_wrapper_is_filled_in(name):
-    wrapper = tiny_zero.STRATEGIES[name][0]
+    wrapper = CLASSES[name][0]
     hooks = [n for n, f in vars(Wrapper).items() if callable(f) and raises_not_implemented(f)]
     assert hooks, "the base wrapper declares no hook"
     missing = [h for h in hooks if getattr(wrapper, h) is getattr(Wrapper, h)]

@@ -299,6 +299,14 @@ class Wrapper(WrapperStateDicts, nn.Module):
             self._pieces = self.pieces()
         return self._pieces
 
+    def pieces_to_save(self):
+        """The pieces this rank writes to a checkpoint, so that each element is
+        written once: those it alone holds, and its round-robin share of those
+        every replica holds."""
+        pieces = self.pieces()
+        replicated = [p for p in pieces if p.replicated]
+        return [p for p in pieces if not p.replicated] + replicated[self.replica::self.replicas]
+
     # ------------------------------------------------------------ one step's bookkeeping
 
     def forward(self, *args, **kwargs):
@@ -432,14 +440,19 @@ class Wrapper(WrapperStateDicts, nn.Module):
         coefficient is applied inside the optimizer's kernel, with the loss
         scale, in the pass that reads the grads."""
         comm.where = "clip_grad_norm_"
+        total_norm = self.grad_square_sum().sqrt() / self.loss_scale
+        self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()
+        return total_norm
+
+    def grad_square_sum(self):
+        """The sum of the squares of the model's averaged grads, every element
+        counted once (a scalar fp32 tensor, the same on every rank)."""
         square_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in self.grads.values():
             square_sum += g.float().square().sum()
         if not self.grads_replicated:
             comm.all_reduce(square_sum)  # each rank holds a disjoint part
-        total_norm = square_sum.sqrt() / self.loss_scale
-        self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()
-        return total_norm
+        return square_sum
 
     @property
     def loss_scale(self):

@@ -39,6 +39,7 @@ from ..fsdp.wrapper import flat_units
 from ..module import layer_kind
 from ..zero3.wrapper import loads, owner_table, unit_params
 from ..precision import param_dtype
+from ..tensor.wrapper import planned_linears, split_parameters
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 CATEGORIES = ("parameters", "gradients", "optimizer_state")  # model state, as tiny_zero.measure.memory names it
@@ -134,6 +135,23 @@ def comm_per_step(module, strategy, world_size, mixed_precision=None, bucket_byt
         return {"all_gather": 2 * gathered(layers(module), by_unit, lambda u: u.numel),
                 "reduce_scatter": sum(u.numel for u in units)}
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+
+
+def tensor_comm_per_step(module, plan, tp_size, replicas, tokens):
+    """{collective kind: elements} that tensor parallelism (tiny_zero.tensor)
+    sends in one step on `tokens` tokens per replica, every layer running once
+    in forward and once in backward: in a tensor group, all-reduces of each row
+    Linear's output in forward (tokens x its output features) and of each
+    column Linear's input grad in backward (tokens x its input features;
+    column Linears that read one input, as separate q, k and v do, send one
+    all-reduce for all: count one of them); across the replicas, the grads a
+    rank holds (its slices, the rest whole)."""
+    planned = planned_linears(module, plan, tp_size, tp_size * replicas)
+    activations = sum(tokens * (layer.in_features if kind == "column" else layer.out_features)
+                      for layer, (kind, _) in planned.items())
+    split = split_parameters(planned)
+    held = sum(p.numel() // (tp_size if p in split else 1) for p in module.parameters() if p.requires_grad)
+    return {"all_reduce": activations + (held if replicas > 1 else 0)}
 
 
 def element_bytes(mixed_precision=None):
