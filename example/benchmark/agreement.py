@@ -34,6 +34,7 @@ import torch.distributed as dist
 import tiny_zero
 from example.model import CONFIGS, build_model
 from tiny_zero import comm
+from tiny_zero.distributed import local_device
 
 CHECK = comm.agree  # the real one
 
@@ -68,10 +69,10 @@ def checks(on, calls=None):
         comm.agree = CHECK
 
 
-def batches(args, n):
+def batches(args, n, device):
     g = torch.Generator().manual_seed(dist.get_rank())
     vocab = CONFIGS[args.model].vocab_size
-    tokens = [torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=g) for _ in range(n)]
+    tokens = [torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=g).to(device) for _ in range(n)]
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
@@ -83,8 +84,8 @@ def train_step(model, opt, x, y):
     opt.zero_grad()
 
 
-def slowest_rank(seconds):
-    t = torch.tensor(seconds)
+def slowest_rank(seconds, device):
+    t = torch.tensor(seconds, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -94,10 +95,12 @@ def timed(model, opt, x, y):
     dist.barrier()
     start = time.perf_counter()
     train_step(model, opt, x, y)
-    return slowest_rank(time.perf_counter() - start)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)  # the step's kernels are done, not just queued
+    return slowest_rank(time.perf_counter() - start, model.device)
 
 
-def one_check(n=100, rounds=5):
+def one_check(device, n=100, rounds=5):
     """Seconds of one agreement alone: every rank calls it n times in a row;
     the fastest of a few rounds."""
     best = float("inf")
@@ -106,7 +109,7 @@ def one_check(n=100, rounds=5):
         start = time.perf_counter()
         for i in range(n):
             CHECK("the benchmark", value=i)
-        best = min(best, slowest_rank(time.perf_counter() - start) / n)
+        best = min(best, slowest_rank(time.perf_counter() - start, device) / n)
     return best
 
 
@@ -115,7 +118,7 @@ def measure(name, args):
     wrapper, optimizer = tiny_zero.STRATEGIES[name]
     model = wrapper(build_model(args.model, seed=0))
     opt = optimizer(model, lr=1e-4)
-    data = batches(args, 4)
+    data = batches(args, 4, model.device)
     for x, y in data[:2]:  # warm-up; zero3/fsdp record their layer order
         train_step(model, opt, x, y)
     calls = []
@@ -137,7 +140,7 @@ def main():
         raise SystemExit(f"error: unknown strategies {unknown}; choose from {list(tiny_zero.STRATEGIES)}")
     torch.manual_seed(0)
     rows = [measure(name, args) for name in names]  # the first wrapper creates the process group
-    alone = one_check()
+    alone = one_check(local_device())
     if dist.get_rank() == 0:
         print(f"model {args.model}, {dist.get_world_size()} ranks, batch {args.batch_size}x{args.seq_len} per rank, "
               f"{args.steps} steps with the checks and {args.steps} without, alternating, wall clock; "
