@@ -30,7 +30,8 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("state_dicts", "each", ("state_dicts", ALL)),
           ("grads", "each", ("grads_as_torch_sees_them", ALL)),
           ("fp16", "each", ("fp16_loss_backward", ALL)),
-          ("autocast_compile", "each", ("autocast_and_compile", ALL))]
+          ("autocast_compile", "each", ("autocast_and_compile", ALL)),
+          ("agreements", "each", ("agreements_per_step", ALL))]
 
 
 @pytest.fixture(scope="module")
