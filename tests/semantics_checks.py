@@ -338,3 +338,22 @@ def agreements_per_step(name):
 
 def each(check, names):
     return [f for name in names for f in globals()[check](name)]
+
+
+def requires_grad_changed_after_wrapping(name):
+    """requires_grad is read once, when wrapping: freezing or unfreezing a
+    parameter afterwards is a clear error (not a silent zero grad, or a bare
+    KeyError), on every rank."""
+    failures = []
+    for change in ("freeze", "unfreeze"):
+        model, opt = make_tiny(name)
+        target = model.module.fc1.weight if change == "freeze" else model.module.frozen.weight
+        target.requires_grad_(change == "unfreeze")
+        try:
+            run_loop(model, opt, "plain", 0, True)
+            opt.step()
+            failures.append(f"{name}: {change} after wrapping went on without an error")
+        except RuntimeError as e:
+            if "when wrapping" not in str(e) and "was wrapped" not in str(e):
+                failures.append(f"{name}: {change} after wrapping: unclear error {str(e)[:200]}")
+    return failures

@@ -31,7 +31,8 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("grads", "each", ("grads_as_torch_sees_them", ALL)),
           ("fp16", "each", ("fp16_loss_backward", ALL)),
           ("autocast_compile", "each", ("autocast_and_compile", ALL)),
-          ("agreements", "each", ("agreements_per_step", ALL))]
+          ("agreements", "each", ("agreements_per_step", ALL)),
+          ("requires_grad_changed", "each", ("requires_grad_changed_after_wrapping", ALL))]
 
 
 @pytest.fixture(scope="module")

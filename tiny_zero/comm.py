@@ -289,6 +289,9 @@ class Buckets:
     def add(self, param, grad, send=True):
         """Add one grad contribution into param's bucket; return the buckets
         that may be sent now (none when `send` is False: under no_sync)."""
+        if param not in self.of:
+            raise RuntimeError("a grad came for a parameter that was frozen (requires_grad=False) when the model "
+                               "was wrapped: tiny_zero reads requires_grad once, when wrapping; set it first")
         bucket = self.of[param]
         if bucket.grads is None:
             bucket.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)

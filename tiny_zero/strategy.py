@@ -409,6 +409,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
         since, leaves it None). Every rank agrees on them."""
         stepping = []
         for name, p in self.named_params:
+            if p.requires_grad != (p in self.buckets.of):
+                raise RuntimeError(f"{name}.requires_grad changed after the model was wrapped: tiny_zero reads it "
+                                   "once, when wrapping, to decide what is sent and stepped; set it before wrapping")
             if p.grad is None:
                 continue
             if p not in self.buckets.got_grad:

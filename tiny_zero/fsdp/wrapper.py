@@ -89,7 +89,7 @@ class FSDP(Wrapper):
         """After a layer computed: free the units the next layer does not use."""
         keep = self.order.still_needed()
         for unit in [u for u in self.gathered if u not in keep]:
-            self.free(unit)
+            self.free(unit)  # STRATEGY: free behind: the next layer does not use it
 
     def free(self, unit):
         del self.gathered[unit]
@@ -144,7 +144,7 @@ class FSDP(Wrapper):
 
     def unit_slices(self):
         """(unit, the flat buffer its slice is in: the fp32 shard or the frozen ones), in layout order."""
-        return [(u, self.shards[0] if u.params[0].requires_grad else self.frozen_local)
+        return [(u, self.shards[0] if u in self.buckets.of.values() else self.frozen_local)
                 for u in sorted(self.slices, key=lambda u: u.index)]
 
     @torch.no_grad()

@@ -108,7 +108,7 @@ class TensorParallel(Wrapper):
     def storage(self, p):
         """(a flat tensor, where p starts in it): the optimizer's shard for a
         trainable parameter, a frozen one's own storage."""
-        if p.requires_grad:
+        if p in self.buckets.of:  # trainable when wrapped
             bucket = self.buckets.of[p]
             return self.shards[0], bucket.start + bucket.offsets[p]
         return p.data.view(-1), 0

@@ -98,7 +98,7 @@ class Zero3(Wrapper):
         """After a layer computed: free the units the next layer does not use."""
         keep = self.order.still_needed()
         for unit in [u for u in self.gathered if u not in keep]:
-            self.free(unit)
+            self.free(unit)  # STRATEGY: free behind: the next layer does not use it
 
     def free(self, unit):
         del self.gathered[unit]
