@@ -10,8 +10,8 @@ from .wrapper import ZeroOffload
 
 class ZeroOffloadAdamW(StrategyAdamW):
     wrapper = ZeroOffload
-    kernel = "fused"  # STRATEGY: the step runs on the CPU, with torch's fastest AdamW there
+    kernel = "fused"  # torch's fastest AdamW on the CPU (tiny_zero/optim/fused.py)
 
     def step(self, closure=None):
-        with self.model.host_threads():  # STRATEGY: on every core this rank has on the host
+        with self.model.host_threads():  # STRATEGY: the step runs on the host, on this rank's share of its cores
             return super().step(closure)
