@@ -86,8 +86,10 @@ def grads_leave_during_backward():
 
 def step_on_every_core():
     """Under torchrun (LOCAL_WORLD_SIZE set, one thread per rank) the step
-    runs on this rank's share of the cores, and the thread count is restored."""
-    os.environ["LOCAL_WORLD_SIZE"] = str(dist.get_world_size())
+    runs on this rank's share of the cores, and the thread count is restored.
+    Each rank is told it is alone on its host: its share is every core (on a
+    machine of one core the check cannot tell)."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
     torch.set_num_threads(1)
     torch.manual_seed(0)
     try:
@@ -101,7 +103,7 @@ def step_on_every_core():
         train(model, opt, range(1))
     finally:
         strategy.adamw_update_ = update
-    share = max(1, host_cores() // dist.get_world_size())
+    share = host_cores()
     if not threads or set(threads) != {share} or torch.get_num_threads() != 1:
         return [f"rank {dist.get_rank()}: the step ran on {threads} threads (this rank's share: {share}), "
                 f"{torch.get_num_threads()} after it (1 before)"]
