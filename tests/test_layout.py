@@ -2,7 +2,7 @@
 folders stay parallel, so that `diff -ru tiny_zero/zero2 tiny_zero/zero3`
 shows what one more level of sharding changes.
 
-- ddp, zero1, zero2, zero3 and fsdp have the same four files, the same
+- ddp, zero1, zero2, zero3, fsdp and offload have the same four files, the same
   public names per role (the <Prefix>Layer mixin and LAYER_CLASSES in
   layers.py, the wrapper in wrapper.py, <Prefix>AdamW in optim.py), and a
   docstring on top of each file that says what the strategy holds and sends.
@@ -30,7 +30,7 @@ import tiny_zero  # noqa: E402
 from tiny_zero.module.swap import DEFAULT_CLASSES  # noqa: E402
 from tiny_zero.strategy import StrategyAdamW, StrategyLayer, Wrapper  # noqa: E402
 
-NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 FILES = {"__init__.py", "layers.py", "wrapper.py", "optim.py"}
 DOCUMENTED = ["layers.py", "wrapper.py", "optim.py"]  # the files a reader reads top to bottom
 PACKAGE = ROOT / "tiny_zero"
@@ -62,8 +62,8 @@ def prefix(name):
     return tiny_zero.STRATEGIES[name][0].__name__
 
 
-def test_the_strategies_include_the_five_data_parallel_ones():
-    assert list(tiny_zero.STRATEGIES)[:5] == NAMES
+def test_the_strategies_include_the_data_parallel_ones():
+    assert list(tiny_zero.STRATEGIES)[:len(NAMES)] == NAMES
 
 
 @pytest.mark.parametrize("name", NAMES)
