@@ -413,12 +413,13 @@ class Accounting:
         memory, cuda = self.memory, torch.cuda.is_available()
         mine = (memory.peak if memory is not None else torch.cuda.max_memory_allocated(),
                 memory.peak_breakdown if memory is not None else None,
-                (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if cuda else None)
+                (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if cuda else None,
+                memory.peak_placement if memory is not None else None)
         everyone = [mine] * n
         if n > 1:
             dist.all_gather_object(everyone, mine)  # plain torch.distributed: not counted in comm.stats
         top = max(range(n), key=lambda r: everyone[r][0])
-        peak, breakdown, allocator = everyone[top]
+        peak, breakdown, allocator, placement = everyone[top]
         fmt = estimate.fmt_bytes
         # one device holds what ddp holds; a tensor parallel rank, what ddp would hold of its slices
         held_like = self.strategy if self.strategy not in ("single", "tensor") else "ddp"
@@ -440,6 +441,12 @@ class Accounting:
         state = fmt(sum(breakdown[c] for c in estimate.CATEGORIES)) if breakdown else ""
         lines.append(row.format("= model state", state, fmt(sum(partition.values())), fmt(sum(formula.values())),
                                 estimate.formula_text(held_like, precision)))
+        if self.strategy == "offload":  # where it lives: the device keeps the parameters, the host the rest
+            where = estimate.placement(module, self.strategy, n, precision)[top]
+            for side, what in (("device", "parameters (+ activations, buckets in flight)"),
+                               ("host", "grads, fp32 masters, moments, the copy back")):
+                lines.append(row.format(f"on the {side}", fmt(placement[side]) if placement else "",
+                                        fmt(where[side]), "", what))
         if not breakdown:
             lines.append("  (no breakdown: on CUDA the examples leave tiny_zero.measure.memory off)")
             return lines

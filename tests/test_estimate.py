@@ -36,8 +36,23 @@ def test_model_state_per_rank_matches_measured_bytes(measured, name, precision):
         r = results[(name, precision)]
         for category in estimate.CATEGORIES:  # each within 2% (they agree to the byte)
             assert r["held"][category] == pytest.approx(expected[rank][category], rel=0.02), (rank, category, r)
-        total = sum(expected[rank].values())  # all live bytes: model state, plus the batch
+        # all live bytes: model state (and offload's pinned copy back), on the device and the host, plus the batch
+        total = sum(estimate.placement(build_model("tiny", device="meta"), name, n, precision, BUCKET_BYTES)[rank].values())
         assert r["current"] == pytest.approx(total, rel=0.02), (rank, r["held"])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p or "fp32")
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_device_and_host_bytes_match_measured(measured, name, precision):
+    """estimate.placement against TensorMemory.placement after a step: offload
+    keeps all but its parameters (and the batch) in host memory, to the byte;
+    the others keep nothing there."""
+    n, ranks = measured
+    expected = estimate.placement(build_model("tiny", device="meta"), name, n, precision, BUCKET_BYTES)
+    for rank, results in enumerate(ranks):
+        got = results[(name, precision)]["placement"]
+        assert got["host"] == expected[rank]["host"], (rank, got)
+        assert got["device"] == pytest.approx(expected[rank]["device"], rel=0.02), (rank, got)
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

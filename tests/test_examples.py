@@ -77,7 +77,7 @@ def single_device_losses():
     return losses(run_in_process("single_device", *TINY, "--steps", "4", "--batch-size", "4"))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])  # zero3: the next test
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp", "offload"])  # zero3: the next test
 def test_two_ranks_print_the_single_device_losses(strategy, single_device_losses):
     if strategy not in tiny_zero.STRATEGIES:
         pytest.skip(f"tiny_zero.{strategy} is not there yet")

@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import ROOT, run_checks  # noqa: E402
 
-ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 LOOPS = ["plain", "two_backwards", "no_sync", "no_zero_grad"]
 WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("groups", "each", ("add_param_group_and_set_to_none_false", ALL)),

@@ -124,6 +124,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.trainable = [p for _, p in self.named_params if p.requires_grad]  # read once, here
         self.frozen = [p for _, p in self.named_params if not p.requires_grad]
         self.shards, self.working, self.grads = [], {}, {}  # the strategy fills these in
+        self.host = []  # what a rank keeps in host memory, off its device (offload: what the step reads and writes)
         self.buckets = None
         self.require_grad_sync = True
         self.clip_coef = 1.0
@@ -250,7 +251,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         """{parameter: full fp32 value on the CPU} for a bucket of which every
         rank holds a 1/N chunk (fp32): one all_gather."""
         flat = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
-        comm.all_gather(flat, chunk)
+        comm.all_gather(flat, chunk.to(self.device))  # a chunk kept in host memory (offload) goes by the device
         return {p: bucket.own_view(flat, p).cpu().clone() for p in bucket.params}
 
     def settle(self):
@@ -507,6 +508,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
     share a group and a step count (usually one launch per shard)."""
 
     wrapper = None  # the wrapper class this optimizer belongs to, set by each strategy
+    kernel = "auto"  # adamw_update_'s: the Triton kernel on CUDA, plain torch on the CPU
 
     def __init__(self, model, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         if not isinstance(model, self.wrapper):
@@ -594,7 +596,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
             adamw_update_(shard[lo:hi], self.model.grads[shard][lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
                           lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                           weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale,
-                          param_out=None if out is None else out[lo:hi])
+                          param_out=None if out is None else out[lo:hi], kernel=self.kernel)
         group_of = self.group_of()
         for p in stepping:
             if p in group_of:

@@ -11,6 +11,8 @@ the two fp32 moments, 12 under mixed precision with the fp32 master):
     zero1        PΨ + PΨ + KΨ/N     (the full gradients stay, as in the paper)
     zero2        PΨ + (P + K)Ψ/N
     zero3, fsdp  (2P + K)Ψ/N
+    offload      PΨ + (P + 12)Ψ/N   (zero2's, with the fp32 masters apart from the
+                                     parameters in fp32 too; all but PΨ in host memory)
 
 And what tiny_zero's wrappers allocate, from the code that partitions: the
 buckets of zero1/2 padded to N at the default bucket size, zero3's owner
@@ -18,7 +20,10 @@ table (whole tensors, so ranks differ: the mean and the most-loaded rank,
 which holds at least the largest tensor), fsdp's per-layer units padded to N; plus 4 bytes of step count per
 optimizer tensor. This is what a rank holds after a step, before
 zero_grad(): activations, buckets in flight and gathered parameters come on
-top (tiny_zero.measure.memory measures those).
+top (tiny_zero.measure.memory measures those). placement() splits it by
+where it lives: offload keeps all but its parameters in host memory, with
+the pinned copy of its chunks in the parameter dtype (PΨ/N under bf16 or
+fp16) that goes back to the device after each step.
 
 Communication per step is the collectives each strategy issues, by size (the
 whole buffer, as tiny_zero.comm counts them), for a model whose every layer
@@ -41,7 +46,7 @@ from ..zero3.wrapper import loads, owner_table, unit_params
 from ..precision import param_dtype
 from ..tensor.wrapper import planned_linears, split_parameters
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "offload")
 CATEGORIES = ("parameters", "gradients", "optimizer_state")  # model state, as tiny_zero.measure.memory names it
 STEP_BYTES = 4  # AdamW's step count: an fp32 scalar per parameter, as torch keeps it
 
@@ -49,9 +54,9 @@ STEP_BYTES = 4  # AdamW's step count: an fp32 scalar per parameter, as torch kee
 def formula_terms(strategy, mixed_precision=None):
     """The ZeRO formula's terms: {category: (bytes per parameter, divided by N)}.
     strategy: one of STRATEGIES, or "single" (one device: the same as ddp)."""
-    p, k = element_bytes(mixed_precision)
+    p, k = element_bytes(mixed_precision, strategy)
     sharded = {"single": (), "ddp": (), "zero1": ("optimizer_state",),
-               "zero2": ("gradients", "optimizer_state"),
+               "zero2": ("gradients", "optimizer_state"), "offload": ("gradients", "optimizer_state"),
                "zero3": CATEGORIES, "fsdp": CATEGORIES}[strategy]
     return {c: (size, c in sharded) for c, size in zip(CATEGORIES, (p, p, k))}
 
@@ -92,13 +97,13 @@ def model_state(module, strategy, world_size, mixed_precision=None, bucket_bytes
     """Per rank (a list of N dicts), the bytes of {parameters, gradients,
     optimizer_state} that tiny_zero's `strategy` holds after a step, for
     `module` (build it on the meta device: nothing is allocated)."""
-    p, k = element_bytes(mixed_precision)
+    p, k = element_bytes(mixed_precision, strategy)
     params = [param for _, param in module.named_parameters()]  # a tied parameter once
     numel = sum(param.numel() for param in params)
     n = world_size
     if strategy == "ddp":  # elements of params, grads, optimizer state
         held = [(numel, numel, numel)] * n
-    elif strategy in ("zero1", "zero2"):
+    elif strategy in ("zero1", "zero2", "offload"):
         buckets = make_buckets(as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=n)
         total = sum(b.numel for b in buckets)
         grads = total + total // n if strategy == "zero1" else total // n  # zero1: full local grads + the shard
@@ -115,13 +120,26 @@ def model_state(module, strategy, world_size, mixed_precision=None, bucket_bytes
     return [dict(parameters=a * p, gradients=g * p, optimizer_state=s * k + steps) for a, g, s in held]
 
 
+def placement(module, strategy, world_size, mixed_precision=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """Per rank, {"device": bytes, "host": bytes} of what model_state() counts,
+    with offload's pinned parameter-dtype copy of its chunks (under bf16 or
+    fp16) on the host; the other strategies keep everything on their device."""
+    ranks = model_state(module, strategy, world_size, mixed_precision, bucket_bytes)
+    if strategy != "offload":
+        return [{"device": sum(r.values()), "host": 0} for r in ranks]
+    p, _ = element_bytes(mixed_precision)
+    return [{"device": r["parameters"], "host": r["gradients"] + r["optimizer_state"]
+             + (r["gradients"] if p != 4 else 0)}  # the copy back: the share, in the parameter dtype
+            for r in ranks]
+
+
 def comm_per_step(module, strategy, world_size, mixed_precision=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
     """{collective kind: elements} that `strategy` sends in one step (as tiny_zero.comm counts)."""
     params = [param for _, param in module.named_parameters()]
     numel = sum(param.numel() for param in params)
     if strategy == "ddp":  # one flat buffer, all-reduced bucket by bucket
         return {"all_reduce": numel}
-    if strategy in ("zero1", "zero2"):  # grads reduce-scattered, updated params all-gathered
+    if strategy in ("zero1", "zero2", "offload"):  # grads reduce-scattered, updated params all-gathered
         buckets = make_buckets(as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=world_size)
         padded = sum(b.numel for b in buckets)
         return {"reduce_scatter": padded, "all_gather": padded}
@@ -154,9 +172,11 @@ def tensor_comm_per_step(module, plan, tp_size, replicas, tokens):
     return {"all_reduce": activations + (held if replicas > 1 else 0)}
 
 
-def element_bytes(mixed_precision=None):
+def element_bytes(mixed_precision=None, strategy=None):
     """(P, K): bytes per parameter (and per gradient), and of AdamW state per parameter."""
     p = torch.finfo(param_dtype(mixed_precision)).bits // 8
+    if strategy == "offload":
+        return p, 12  # the fp32 master is on the host, apart from the parameters, in fp32 too
     return p, 8 if p == 4 else 12  # mixed precision adds the fp32 master
 
 
@@ -220,8 +240,14 @@ def report(module, model_name, strategy, world_size, mixed_precision=None, bucke
     else:
         padding = {"zero1": f", {fmt_bytes(bucket_bytes)} buckets padded",
                    "zero2": f", {fmt_bytes(bucket_bytes)} buckets padded",
+                   "offload": f", {fmt_bytes(bucket_bytes)} buckets padded",
                    "fsdp": ", per-layer units padded"}.get(strategy, "")
         add(f"tiny_zero{padding}", ranks[0])
+    if strategy == "offload":
+        where = placement(module, strategy, n, mixed_precision, bucket_bytes)[0]
+        copy = " + the pinned copy back" if element_bytes(mixed_precision)[0] != 4 else ""
+        lines.append(f"  on the device {fmt_bytes(where['device'])} (the parameters); in host memory "
+                     f"{fmt_bytes(where['host'])} (grads, fp32 masters, moments{copy})")
 
     elements = comm_per_step(module, strategy, n, mixed_precision, bucket_bytes)
     p, _ = element_bytes(mixed_precision)
