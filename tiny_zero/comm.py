@@ -18,8 +18,9 @@ agree(what, **values): every rank checks that every rank passed the same
     on every rank if not.
 Buckets: gradient buckets in the order their grads become final, and which
     of them may be sent now.
-LayerOrder: the order in which layers run, recorded on the first step: what
-    comes next, so that its parameters can be gathered ahead of time.
+GatherOrder, gather_units: zero3's and fsdp's units (a block, by default),
+    and the order in which layers run, recorded on the first step: which
+    unit comes next, to gather it ahead, and which the next layer still uses.
 """
 from collections import defaultdict
 from datetime import timedelta

@@ -5,7 +5,7 @@ falls through forward, backward and the step.
     torchrun --nproc_per_node 2 example/benchmark/timeline.py
 
 One process group, one run after another: single_device (on rank 0, with
-the global batch) and tiny_zero's ddp, zero1, zero2, zero3 and fsdp, each on
+the global batch) and every tiny_zero strategy (tiny_zero.STRATEGIES), each on
 the same example GPT, the same batches and the same training step as
 example/<strategy>/train.py (forward, backward, clip, AdamW, zero_grad).
 Buckets are --bucket-kb, so that a small model makes several of them: with
@@ -48,7 +48,7 @@ from tiny_zero.distributed import init_distributed, local_device
 from tiny_zero.measure import draw, trace
 from tiny_zero.measure.memory import TensorMemory
 
-RUNS = ["single_device", "ddp", "zero1", "zero2", "zero3", "fsdp"]
+RUNS = ["single_device", *tiny_zero.STRATEGIES]
 BUCKETED = {"ddp", "zero1", "zero2", "zero3"}  # fsdp sends one unit per layer
 
 
