@@ -232,7 +232,7 @@ class Run:
         args = self.args
         os.makedirs(args.trace, exist_ok=True)
         path, picture = os.path.join(args.trace, "trace.json"), os.path.join(args.trace, "trace.png")
-        title = f"{self.accounting.strategy}, {self.world_size} rank(s), --model {args.model}, step {step}"
+        title = f"{self.accounting.strategy}, {len(traces)} rank(s), --model {args.model}, step {step}"
         trace.write(path, traces, title)
         print(f"trace of step {step}: {path} (open it in ui.perfetto.dev)")
         print(trace.summary_line(self.accounting.strategy, traces))

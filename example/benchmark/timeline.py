@@ -49,7 +49,7 @@ from tiny_zero.measure import draw, trace
 from tiny_zero.measure.memory import TensorMemory
 
 RUNS = ["single_device", *tiny_zero.STRATEGIES]
-BUCKETED = {"ddp", "zero1", "zero2", "zero3"}  # fsdp sends one unit per layer
+BUCKETED = {"ddp", "zero1", "zero2", "zero3", "offload"}  # fsdp sends one unit per layer
 
 
 def parse_args():
@@ -59,7 +59,7 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=64,
                    help="tokens per sequence (default: 64: the model's state outweighs its activations)")
     p.add_argument("--bucket-kb", type=int, default=512,
-                   help="gradient bucket size of ddp, zero1, zero2 and zero3 (default: 512)")
+                   help="gradient bucket size of ddp, zero1, zero2, zero3 and offload (default: 512)")
     p.add_argument("--warmup", type=int, default=2, help="steps first, neither timed nor recorded (default: 2)")
     p.add_argument("--repeat", type=int, default=3,
                    help="steps timed, then steps recorded; the recorded one whose slowest rank was fastest is "
