@@ -1,11 +1,18 @@
-"""A small GPT-2 in plain torch.nn, read top to bottom.
+"""GPT-2 and Llama in plain torch.nn, read top to bottom.
 
-Parameters live only in nn.Embedding, nn.LayerNorm and nn.Linear, so a
-distributed wrapper can swap those modules for its own subclasses. Every
-parameter's initial value depends only on (seed, parameter name): a model
-built on the meta device can be materialised one tensor at a time with
-``model.init_parameter(name, tensor)`` and gets exactly the values that a
-normally built model has.
+Parameters live only in nn.Embedding, nn.LayerNorm, nn.RMSNorm and
+nn.Linear, so a distributed wrapper can swap those modules for its own
+subclasses. Every parameter's initial value depends only on (seed,
+parameter name): a model built on the meta device can be materialised one
+tensor at a time with ``model.init_parameter(name, tensor)`` and gets
+exactly the values that a normally built model has.
+
+The Llama (RMSNorm, SwiGLU MLP, rotary position embedding, grouped-query
+attention) names its parameters and computes as Hugging Face's
+LlamaForCausalLM does, so checkpoints load either way; its rotary embedding
+has no long-context scaling (Llama 3.1's rope_scaling), so the 1B and 8B
+configs give the shapes of those models (for tiny_zero.measure.estimate), not
+their exact outputs at every position.
 """
 
 import math
@@ -30,14 +37,38 @@ class GPTConfig:
     checkpoint_activations: bool = False
 
 
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    block_size: int  # the longest sequence
+    n_layer: int
+    n_head: int
+    n_kv_head: int  # grouped-query attention: n_head / n_kv_head query heads share a key/value head
+    n_embd: int
+    intermediate_size: int  # the SwiGLU MLP's hidden width
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    checkpoint_activations: bool = False
+
+
 # GPT-2 vocab 50257 padded up to 50304 (a multiple of 64); the small ones are byte-level.
-CONFIGS: dict[str, GPTConfig] = {
+# llama-1b and llama-8b: the shapes of Llama 3.2 1B and Llama 3.1 8B.
+CONFIGS: dict[str, GPTConfig | LlamaConfig] = {
     "gpt2": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": GPTConfig(vocab_size=50304, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64),
     "small": GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128),
+    "llama-tiny": LlamaConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                              intermediate_size=176, tie_embeddings=True),
+    "llama-small": LlamaConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_kv_head=2, n_embd=128,
+                               intermediate_size=352, tie_embeddings=True),
+    "llama-1b": LlamaConfig(vocab_size=128256, block_size=131072, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048,
+                            intermediate_size=8192, rope_theta=500000.0, tie_embeddings=True),
+    "llama-8b": LlamaConfig(vocab_size=128256, block_size=131072, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+                            intermediate_size=14336, rope_theta=500000.0),
 }
 
 
@@ -57,11 +88,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # -1 heads, not n_head: under tensor parallelism a rank computes its own heads only
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -121,33 +153,152 @@ class GPT(nn.Module):
         elif module_name.rpartition(".")[2].startswith("ln_"):
             tensor.fill_(1.0)  # LayerNorm weight
         else:
-            std = 0.02
-            if name.endswith(".c_proj.weight"):  # residual projections, scaled by depth
-                std = 0.02 / math.sqrt(2 * self.config.n_layer)
-            g = torch.Generator(device="cpu")  # it uses only 32 bits of a seed: hash to 32
-            g.manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
-            value = torch.empty(tensor.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=g)
-            tensor.copy_(value)
+            residual = name.endswith(".c_proj.weight")  # residual projections, scaled by depth
+            normal_(tensor, self.seed, name, 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        B, T = idx.shape
+        T = idx.shape[1]
         assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            if self.config.checkpoint_activations and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(B * T))
+        x = run_blocks(self, self.blocks, x)
+        return logits_or_loss(self.lm_head(self.ln_f(x)), targets)
+
+
+def normal_(tensor, seed, name, std):
+    """Fill `tensor` with N(0, std²) values that depend only on (seed, name):
+    drawn in fp32 on a CPU generator, then copied (any device, any float dtype)."""
+    g = torch.Generator(device="cpu")  # it uses only 32 bits of a seed: hash to 32
+    g.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    tensor.copy_(torch.empty(tensor.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=g))
+
+
+def run_blocks(model, blocks, x):
+    """x through each block; under checkpoint_activations (training with grad),
+    each block's activations are recomputed in backward instead of kept."""
+    for block in blocks:
+        if model.config.checkpoint_activations and model.training and torch.is_grad_enabled():
+            x = checkpoint(block, x, use_reentrant=False)
+        else:
+            x = block(x)
+    return x
+
+
+def logits_or_loss(logits, targets):
+    """The logits, or with targets the mean cross-entropy (in fp32)."""
+    if targets is None:
+        return logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def rope(q, k, theta):
+    """Rotary position embedding as Hugging Face's Llama applies it: the pair
+    (i, i + d/2) of each head's d dimensions is rotated by position × θ^(-2i/d),
+    computed in fp32 for positions 0..T-1 (nothing is kept between calls)."""
+    T, d = q.shape[-2], q.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=q.device) / d)
+    angles = torch.arange(T, dtype=torch.float32, device=q.device)[:, None] * inv_freq  # (T, d/2)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0 and config.n_head % config.n_kv_head == 0
+        self.config = config
+        self.head_dim = config.n_embd // config.n_head
+        self.q_proj = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        heads = lambda t, n: t.view(B, T, n, self.head_dim).transpose(1, 2)  # noqa: E731
+        q = heads(self.q_proj(x), self.config.n_head)
+        k = heads(self.k_proj(x), self.config.n_kv_head)
+        v = heads(self.v_proj(x), self.config.n_kv_head)
+        q, k = rope(q, k, self.config.rope_theta)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The model without its head: Hugging Face's "model." in every name."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer))
+        self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig, seed: int = 0):
+        super().__init__()
+        self.config = config
+        self.seed = seed
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one tensor, "model.embed_tokens.weight"
+        for name, p in self.named_parameters():
+            if not p.is_meta:
+                self.init_parameter(name, p)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """Fill `tensor` in place with the initial value of parameter `name`
+        (as GPT.init_parameter: it depends only on (self.seed, name))."""
+        if name == "lm_head.weight" and self.config.tie_embeddings:
+            name = "model.embed_tokens.weight"
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)  # RMSNorm weight
+        else:
+            residual = name.endswith((".o_proj.weight", ".down_proj.weight"))  # scaled by depth, as GPT's
+            normal_(tensor, self.seed, name, 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        T = idx.shape[1]
+        assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
+        x = run_blocks(self, self.model.layers, self.model.embed_tokens(idx))
+        return logits_or_loss(self.lm_head(self.model.norm(x)), targets)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """GPT's loss: the mean cross-entropy over every token (in fp32)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    return logits_or_loss(logits, targets)
 
 
 class Embeddings(nn.Module):
@@ -242,8 +393,9 @@ def _from_gpt_keys(module, state_dict, prefix, *args):
         state_dict[ours[key]] = state_dict.pop(key)
 
 
-def build_model(name_or_config: str | GPTConfig, seed: int = 0, device=None, **overrides) -> GPT:
-    """GPT from a CONFIGS name or a GPTConfig; overrides replace config fields.
+def build_model(name_or_config: str | GPTConfig | LlamaConfig, seed: int = 0, device=None,
+                **overrides) -> GPT | Llama:
+    """GPT or Llama from a CONFIGS name or a config; overrides replace config fields.
 
     With device="meta" the model is built instantly and allocates nothing.
     """
@@ -252,10 +404,11 @@ def build_model(name_or_config: str | GPTConfig, seed: int = 0, device=None, **o
             raise ValueError(f"unknown model {name_or_config!r}; choose from {', '.join(CONFIGS)}")
         name_or_config = CONFIGS[name_or_config]
     config = replace(name_or_config, **overrides)
+    cls = Llama if isinstance(config, LlamaConfig) else GPT
     if device is None:
-        return GPT(config, seed=seed)
+        return cls(config, seed=seed)
     with torch.device(device):
-        return GPT(config, seed=seed)
+        return cls(config, seed=seed)
 
 
 def count_parameters(model: nn.Module) -> int:

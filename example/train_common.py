@@ -1,12 +1,16 @@
 """What every example/<strategy>/train.py shares, so that each train.py shows
 only its model, its optimizer and the training loop, as nanoGPT's does:
 
-    parse_args, load_data, build_model   flags, the byte-level data, the GPT
+    parse_args, load_data, build_model   flags, the byte-level data, the model:
+                                         an example GPT or Llama, or hf:DIR
+    load_weights                         hf:DIR: its saved weights, each rank
+                                         reading the parts it holds
     param_groups, schedule               AdamW's groups (no decay on 1-D
                                          parameters) and the learning rate:
                                          a linear warm-up, then cosine to lr/10
     Run                                  everything else, one call each: memory
                                          accounting, --resume and --save-every,
+                                         --trace (one step recorded),
                                          the batches, the printed lines, a
                                          non-finite loss, eval and the report
 
@@ -15,7 +19,8 @@ over ranks), then the val loss and the peak memory, and (Accounting, at the
 end of the file) the memory at the peak by category and the communication per
 step, each next to tiny_zero.measure.estimate and the ZeRO formula. Each rank
 takes its own rows of one global batch (see example/data.py), so N ranks with
---batch-size b see exactly what one process sees with N * b.
+--batch-size b see exactly what one process sees with N * b (under tensor
+parallelism the ranks of one replica share its rows).
 """
 import argparse
 import math
@@ -27,21 +32,27 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from example import hf
 from example.data import ByteData, load_text
-from example.model import CONFIGS, build_model as build_gpt
+from example.model import CONFIGS, build_model as build_example
 import tiny_zero
 from tiny_zero import comm
-from tiny_zero.measure import estimate
+from tiny_zero.measure import draw, estimate, trace
 from tiny_zero.measure.memory import TensorMemory
 from tiny_zero.pipeline import Pipeline
+from tiny_zero.tensor import TensorParallel
 
 MAX_GRAD_NORM = 1.0
+OTHER_WRAPPERS = {"pipeline": Pipeline, "tensor": TensorParallel}  # not in tiny_zero.STRATEGIES
+TRACED_STEP = 2  # --trace records the third step: the first two warm up (optimizer state, the layer order)
 
 
 def parse_args(description=None, argv=None, add_flags=None):
     """The flags every example takes; add_flags(parser) adds a script's own."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small", choices=list(CONFIGS), help="model size (default: small)")
+    p.add_argument("--model", default="small", type=model_name, metavar="{" + ",".join([*CONFIGS, "hf:DIR"]) + "}",
+                   help="a model of example/model.py, or hf:DIR, a Hugging Face causal LM saved in the local "
+                        "directory DIR (config and weights; needs transformers) (default: small)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step (default: 16)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence (default: 128)")
@@ -64,6 +75,9 @@ def parse_args(description=None, argv=None, add_flags=None):
     p.add_argument("--resume", action="store_true", help="continue from --save-dir if it holds a checkpoint")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip (and count) a step whose loss is inf/nan instead of stopping with an error")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="record the third step (or the last) on every rank: DIR/trace.json for ui.perfetto.dev, "
+                        "DIR/trace.png with matplotlib (docs/overlap.md)")
     if add_flags is not None:
         add_flags(p)
     args = p.parse_args(argv)
@@ -79,11 +93,21 @@ def parse_args(description=None, argv=None, add_flags=None):
         args.warmup_steps = args.steps // 10
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
-    block_size = CONFIGS[args.model].block_size
+    try:
+        block_size = hf.block_size(args.model[3:]) if args.model.startswith("hf:") else CONFIGS[args.model].block_size
+    except ValueError as e:
+        p.error(str(e))
     if args.seq_len > block_size:
         p.error(f"--seq-len {args.seq_len} is longer than model {args.model}'s block_size {block_size}")
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the wrappers choose alike
     return args
+
+
+def model_name(value):
+    """--model: a name in example/model.py's CONFIGS, or hf:DIR."""
+    if value in CONFIGS or (value.startswith("hf:") and len(value) > 3):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown model {value!r}; choose from {', '.join(CONFIGS)}, or hf:DIR")
 
 
 def load_data(args):
@@ -97,7 +121,18 @@ def load_data(args):
 
 
 def build_model(args):
-    return build_gpt(args.model, seed=args.seed, checkpoint_activations=args.checkpoint_activations)
+    """The --model: an example model (GPT or Llama), or with hf:DIR a Hugging
+    Face model whose parameters are on meta until load_weights() fills them."""
+    if args.model.startswith("hf:"):
+        return hf.build(args.model[3:], checkpoint_activations=args.checkpoint_activations)
+    return build_example(args.model, seed=args.seed, checkpoint_activations=args.checkpoint_activations)
+
+
+def load_weights(model, args):
+    """hf:DIR: the saved weights into the model (a wrapper: each rank reads the
+    parts it holds). The example models have theirs from the seed."""
+    if args.model.startswith("hf:"):
+        tiny_zero.checkpoint.load_pretrained(model, args.model[3:])
 
 
 def strategy_options(args):
@@ -169,9 +204,10 @@ class Run:
         """The steps to run, with a progress bar on rank 0 (the model and
         optimizer are the run's from here on)."""
         self.model, self.opt, self.sched = model, opt, sched
-        self.rank, self.world_size = getattr(model, "rank", 0), getattr(model, "world_size", 1)
-        # the ranks that take rows of the batch: every rank, but a pipeline's replicas
-        self.replica, self.replicas = getattr(model, "replica", self.rank), getattr(model, "replicas", self.world_size)
+        self.rank = getattr(model, "rank", 0)
+        # the data-parallel replica this rank computes: each takes its own rows (every rank, but
+        # under tensor parallelism, where the ranks of a replica compute one model together)
+        self.replica, self.replicas = getattr(model, "replica", 0), getattr(model, "replicas", 1)
         self.device = getattr(model, "device", None) or next(model.parameters()).device
         first = self.resume()
         self.reset_peak()
@@ -181,7 +217,35 @@ class Run:
                         initial=first, total=self.args.steps)
         self.start = self.last = time.perf_counter()
         self.first = first
-        return self.bar
+        self.recorded = None
+        return self.traced(self.bar) if self.args.trace else self.bar
+
+    def traced(self, steps):
+        """--trace: the same steps; one after warm-up is recorded (tiny_zero.measure.trace)."""
+        chosen = min(self.first + TRACED_STEP, self.args.steps - 1)
+        for step in steps:
+            if step != chosen:
+                yield step
+                continue
+            recorder = trace.Recorder(self.model, self.opt, self.memory)
+            recorder.start()
+            yield step
+            self.recorded = trace.gather(recorder.stop()), step  # written at the end, out of the timing
+
+    def write_trace(self):
+        traces, step = self.recorded
+        args = self.args
+        os.makedirs(args.trace, exist_ok=True)
+        path, picture = os.path.join(args.trace, "trace.json"), os.path.join(args.trace, "trace.png")
+        title = f"{self.accounting.strategy}, {len(traces)} rank(s), --model {args.model}, step {step}"
+        trace.write(path, traces, title)
+        print(f"trace of step {step}: {path} (open it in ui.perfetto.dev)")
+        print(trace.summary_line(self.accounting.strategy, traces))
+        try:
+            draw.timeline(traces, picture, title)
+            print(f"its picture: {picture}")
+        except ImportError:  # matplotlib is the optional extra "plot"
+            print(f"for its picture: pip install -e \".[plot]\", then python -m tiny_zero.measure.draw {path}")
 
     def batch(self, step, split="train"):
         args = self.args
@@ -266,6 +330,8 @@ class Run:
             print(f"val loss {val_loss:.6f}")
             print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {self.peak_memory_kind()})")
         self.accounting.report()
+        if self.recorded and rank == 0:
+            self.write_trace()
 
     @torch.no_grad()
     def evaluate(self):
@@ -321,8 +387,8 @@ class Accounting:
 
     def __init__(self, model, opt, memory, args):
         self.model, self.memory, self.args = model, memory, args
-        self.strategy = next((name for name, (wrapper, _) in tiny_zero.STRATEGIES.items()
-                             if isinstance(model, wrapper)), "pipeline" if isinstance(model, Pipeline) else "single")
+        wrappers = {name: wrapper for name, (wrapper, _) in tiny_zero.STRATEGIES.items()} | OTHER_WRAPPERS
+        self.strategy = next((name for name, cls in wrappers.items() if isinstance(model, cls)), "single")
         if memory is not None:
             memory.attach(model, opt)  # from now on the breakdown is taken at each new peak
         self.sent = dict(comm.stats.elements)
@@ -343,6 +409,9 @@ class Accounting:
         numel = sum(p.numel() for p in module.parameters())
         if self.strategy == "pipeline":
             lines = self.stage_lines(numel, n)
+        elif self.strategy == "tensor":
+            lines = self.memory_lines(model.module, sum(p.numel() for p in model.module.parameters()), precision, n)
+            lines += self.tensor_comm_lines(module)
         else:
             lines = self.memory_lines(module, numel, precision, n) + self.comm_lines(module, numel, precision, n)
         if rank == 0:
@@ -352,19 +421,22 @@ class Accounting:
         memory, cuda = self.memory, torch.cuda.is_available()
         mine = (memory.peak if memory is not None else torch.cuda.max_memory_allocated(),
                 memory.peak_breakdown if memory is not None else None,
-                (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if cuda else None)
+                (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if cuda else None,
+                memory.peak_placement if memory is not None else None)
         everyone = [mine] * n
         if n > 1:
             dist.all_gather_object(everyone, mine)  # plain torch.distributed: not counted in comm.stats
         top = max(range(n), key=lambda r: everyone[r][0])
-        peak, breakdown, allocator = everyone[top]
+        peak, breakdown, allocator, placement = everyone[top]
         fmt = estimate.fmt_bytes
-        held_like = self.strategy if self.strategy != "single" else "ddp"  # one device holds what ddp holds
+        # one device holds what ddp holds; a tensor parallel rank, what ddp would hold of its slices
+        held_like = self.strategy if self.strategy not in ("single", "tensor") else "ddp"
         partition = estimate.model_state(module, held_like, n, precision)[top]
-        formula = estimate.zero_formula(self.strategy, numel, n, precision)
-        terms = estimate.formula_terms(self.strategy, precision)
+        formula = estimate.zero_formula(held_like, numel, n, precision)
+        terms = estimate.formula_terms(held_like, precision)
         where = f"rank {top}, the highest of {n}" if n > 1 else "one device"
-        lines = [f"memory at the peak ({where}), Ψ = {numel:,}"]
+        lines = [f"memory at the peak ({where}), Ψ = {numel:,}"
+                 + (" (what a rank holds: its slices, the rest whole)" if self.strategy == "tensor" else "")]
         if allocator is not None:
             lines.append(f"  CUDA: max_memory_allocated {fmt(allocator[0])}, max_memory_reserved {fmt(allocator[1])}")
         row = "  {:<17} {:>12} {:>14} {:>14}  {}"
@@ -376,7 +448,13 @@ class Accounting:
                                     fmt(formula[category]), estimate.term_text(*terms[category])))
         state = fmt(sum(breakdown[c] for c in estimate.CATEGORIES)) if breakdown else ""
         lines.append(row.format("= model state", state, fmt(sum(partition.values())), fmt(sum(formula.values())),
-                                estimate.formula_text(self.strategy, precision)))
+                                estimate.formula_text(held_like, precision)))
+        if self.strategy == "offload":  # where it lives: the device keeps the parameters, the host the rest
+            where = estimate.placement(module, self.strategy, n, precision)[top]
+            for side, what in (("device", "parameters (+ activations, buckets in flight)"),
+                               ("host", "grads, fp32 masters, moments, the copy back")):
+                lines.append(row.format(f"on the {side}", fmt(placement[side]) if placement else "",
+                                        fmt(where[side]), "", what))
         if not breakdown:
             lines.append("  (no breakdown: on CUDA the examples leave tiny_zero.measure.memory off)")
             return lines
@@ -423,3 +501,17 @@ class Accounting:
                 + ("; blocks recomputed under --checkpoint-activations gather once more"
                    if multiple == 3 and self.args.checkpoint_activations else "") + ")",
                 f"  ZeRO theory: {multiple}Ψ(N-1)/N = {theory:,.0f}"]
+
+    def tensor_comm_lines(self, module):
+        model = self.model
+        per_step = {kind: count / max(self.steps, 1) for kind, count in self.sent.items()}
+        tokens = self.args.batch_size * self.args.seq_len
+        expected = estimate.tensor_comm_per_step(module, model.plan, model.tp_size, model.replicas, tokens)
+        kinds = ", ".join(f"{kind} {count:,.0f}" for kind, count in per_step.items())
+        return [f"communication per training step (tiny_zero.comm, {self.steps} steps; every rank alike)",
+                f"  collective sizes: {kinds or 'none'} elements",
+                f"  tiny_zero.measure.estimate: all_reduce {expected['all_reduce']:,} (activations in each tensor "
+                f"group of {model.tp_size}: 2 per block in forward, 2 in backward"
+                + (", again in each checkpointed block's forward" if self.args.checkpoint_activations else "")
+                + (f"; the grads a rank holds, across {model.replicas} replicas" if model.replicas > 1 else "")
+                + "; without the grad norm's scalar all-reduce)"]

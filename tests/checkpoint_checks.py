@@ -22,7 +22,7 @@ from parity_checks import SEQ, VOCAB, FewTensorsNet, ParityNet, wrap
 ROWS = 6  # the global batch: divisible by 1, 2 and 3 ranks
 LR, WD = 1e-2, 0.1
 SAVE_AT, END = 3, 6
-ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 
 
 def local_batch(step):
@@ -98,12 +98,13 @@ def world_of_three(root):
     """Uneven shards: resume on the same world; every strategy loads what
     zero2 saved at 2 ranks (fsdp first, and it saves again for world 1)."""
     return {"resume": resume_same_world(root, ["zero1", "fsdp"]),
-            "across": resume_across(root, "zero2-w2", ["fsdp", "ddp", "zero1", "zero2", "zero3"], "fsdp-w3")}
+            "across": resume_across(root, "zero2-w2", ["fsdp", "ddp", "zero1", "zero2", "zero3", "offload"], "fsdp-w3")}
 
 
 def world_of_one(root):
-    """zero2 at 2 -> fsdp at 3 -> ddp at 1; zero3 at 2 -> every strategy at 1."""
-    return {"across": resume_across(root, "fsdp-w3", ["ddp"]) + resume_across(root, "zero3-w2", ALL)}
+    """zero2 at 2 -> fsdp at 3 -> ddp at 1; zero3 at 2 -> every strategy at 1; offload at 2 -> ddp at 1."""
+    return {"across": resume_across(root, "fsdp-w3", ["ddp"]) + resume_across(root, "zero3-w2", ALL)
+            + resume_across(root, "offload-w2", ["ddp"])}
 
 
 def resume_same_world(root, names, mixed_precision=None):

@@ -5,9 +5,11 @@ tests/test_semantics.py: `python tests/disagree_check.py STRATEGY CASE`.
     layer     at step 2, rank 1 uses a layer that rank 0 does not
 
 Every rank must end in tiny_zero's error and exit non-zero; on success the
-script prints "no error" and exits 0."""
+script prints "no error" and exits 0. Each rank prints when it reaches step
+2, so the test can time the exit from there (not from start-up)."""
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
@@ -26,6 +28,8 @@ def main():
     rank = dist.get_rank()
     for step in range(4):
         odd = step == 2 and rank == 1
+        if step == 2:
+            print(f"reached step 2 at {time.time()}", flush=True)  # the test times the exit from here
         model.module.use_sometimes = step % 2 == 0
         if case == "layer" and odd:
             model.module.use_sometimes = not model.module.use_sometimes

@@ -46,10 +46,11 @@ def one_step(name, mixed_precision):
         opt.step()
         sent = dict(comm.stats.elements)
         held = memory.breakdown()
+        placement = memory.placement()
         biggest_bucket = max(b.numel for b in model.buckets) * torch.finfo(model.reduce_dtype).bits // 8
         return dict(held=held, after_forward=after_forward, current=memory.current, peak=memory.peak,
                     peak_breakdown=memory.peak_breakdown, sent=sent, samples=samples,
-                    biggest_bucket=biggest_bucket)
+                    biggest_bucket=biggest_bucket, placement=placement)
 
 
 def measure_all(names, precisions):

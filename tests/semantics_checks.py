@@ -315,5 +315,45 @@ def autocast_and_compile(name):
     return failures
 
 
+def agreements_per_step(name):
+    """After the first step the ranks agree twice per training step under ddp,
+    zero1 and zero2 (the backward pass, the optimizer step) and four times under
+    zero3 and fsdp (also the first layer gathered in forward and in backward),
+    as docs/communication.md counts them; counted with the benchmark's own
+    switch (example/benchmark/agreement.py), so its figures are per these."""
+    from example.benchmark.agreement import checks
+    model, opt = make_tiny(name)
+    counts = []
+    for step in range(3):
+        calls = []
+        with checks(True, calls):
+            loss = model(*my_rows(global_batch(step)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        counts.append(len(calls))
+    expected = 4 if name in ("zero3", "fsdp") else 2
+    return [] if counts[1:] == [expected] * 2 else [f"{name}: agreements per step {counts}, expected {expected} after the first"]
+
+
 def each(check, names):
     return [f for name in names for f in globals()[check](name)]
+
+
+def requires_grad_changed_after_wrapping(name):
+    """requires_grad is read once, when wrapping: freezing or unfreezing a
+    parameter afterwards is a clear error (not a silent zero grad, or a bare
+    KeyError), on every rank."""
+    failures = []
+    for change in ("freeze", "unfreeze"):
+        model, opt = make_tiny(name)
+        target = model.module.fc1.weight if change == "freeze" else model.module.frozen.weight
+        target.requires_grad_(change == "unfreeze")
+        try:
+            run_loop(model, opt, "plain", 0, True)
+            opt.step()
+            failures.append(f"{name}: {change} after wrapping went on without an error")
+        except RuntimeError as e:
+            if "when wrapping" not in str(e) and "was wrapped" not in str(e):
+                failures.append(f"{name}: {change} after wrapping: unclear error {str(e)[:200]}")
+    return failures

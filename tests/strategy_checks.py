@@ -122,6 +122,8 @@ def model_state_bytes(name):
     share = sum(s.numel() for s in model.shards)  # what this rank steps
     if name in ("zero3", "fsdp"):  # params, averaged grads, exp_avg, exp_avg_sq of the share
         expected = 16 * share
+    elif name == "offload":  # all params; on the host the grad shard, fp32 masters, exp_avg, exp_avg_sq
+        expected = share * world * FLOAT_BYTES + share * FLOAT_BYTES + 12 * share
     else:  # all params and a grad shard; zero1 also all local grads, kept through backward
         grads = (share * world + share) * FLOAT_BYTES if name == "zero1" else share * FLOAT_BYTES
         expected = share * world * FLOAT_BYTES + grads + 8 * share

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from harness import ROOT, run_world  # noqa: E402
 
-ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 
 
 @pytest.fixture(scope="module")

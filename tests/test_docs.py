@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
+MODEL_PARALLEL = ["tensor"]  # strategy pages too, without the data-parallel byte table
 # Written by the benchmark work; pages may link to it before it lands. Once
 # the file exists it is checked like every other page.
 PENDING = {"docs/benchmarks.md"}
@@ -446,7 +447,7 @@ def mermaid_problems(body):
     return problems
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", STRATEGIES + MODEL_PARALLEL)
 def test_strategy_page_has_a_sequence_diagram(name):
     diagrams = [body for _, body, _ in blocks(strategy_page(name), "mermaid")]
     assert diagrams, f"docs/{name}.md has no mermaid block"
@@ -475,17 +476,25 @@ def strategy_marks():
     return marks
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", STRATEGIES + MODEL_PARALLEL)
 def test_strategy_page_cites_every_marked_function(name):
     cited = {f"{m.group(1)}: {m.group(2)}" for s in code_spans(strategy_page(name)) if (m := CITATION.match(s))}
     own = {f"{f}: {q}" for f, q in strategy_marks() if f.startswith(f"tiny_zero/{name}/")}
     assert own - cited == set(), f"docs/{name}.md does not cite {sorted(own - cited)}"
 
 
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_strategy_page_shows_its_step(name):
+    """The pictures example/benchmark/timeline.py draws: the strategy's timeline
+    and the memory of all strategies (test_local_links_exist: they exist)."""
+    images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", prose(strategy_page(name)))
+    assert {f"timeline_{name}.png", "memory_over_step.png"} <= set(images)
+
+
 def test_shared_marked_functions_are_cited_somewhere():
     cited = {f"{m.group(1)}: {m.group(2)}" for p in PAGES for s in code_spans(p) if (m := CITATION.match(s))}
     shared = {f"{f}: {q}" for f, q in strategy_marks()
-              if not any(f.startswith(f"tiny_zero/{n}/") for n in STRATEGIES)}
+              if not any(f.startswith(f"tiny_zero/{n}/") for n in STRATEGIES + MODEL_PARALLEL)}
     assert shared - cited == set(), f"no page cites {sorted(shared - cited)}"
 
 
@@ -496,7 +505,7 @@ def held_elements(strategy, n):
     import torch.nn as nn
     from example.model import build_model
     from tiny_zero.comm import make_buckets
-    from tiny_zero.fsdp.wrapper import layer_units
+    from tiny_zero.measure.estimate import fsdp_units
     from tiny_zero.zero3.wrapper import loads, owner_table
 
     model = build_model("gpt2", device="meta")
@@ -505,8 +514,8 @@ def held_elements(strategy, n):
     psi = sum(p.numel() for p in params)
     if strategy == "ddp":
         return [(psi, psi, psi)] * n
-    if strategy in ("zero1", "zero2"):
-        wrapper = resolve(f"tiny_zero.{strategy}.wrapper").__dict__[strategy.capitalize()]
+    if strategy in ("zero1", "zero2", "offload"):
+        wrapper = resolve("tiny_zero.STRATEGIES")[strategy][0]
         bucket_bytes = inspect.signature(wrapper.__init__).parameters["bucket_bytes"].default
         padded = sum(b.numel for b in make_buckets(params[::-1], bucket_bytes, pad_to=n))
         grads = padded + padded // n if strategy == "zero1" else padded // n
@@ -514,14 +523,15 @@ def held_elements(strategy, n):
     if strategy == "zero3":
         shapes = [(name, p.numel()) for name, p in named]
         return [(owned,) * 3 for owned in loads(owner_table(shapes, n), shapes, n)]
-    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding))]
-    share = sum(u.numel for u in layer_units(layers, n)) // n
+    share = sum(u.numel for u in fsdp_units(model, n)) // n
     return [(share,) * 3] * n
 
 
 def held_bytes(strategy, n):
-    """Per rank: {row label: bytes} for the pages' tables."""
-    return [{"parameters": 4 * p, "gradients": 4 * g, "AdamW state": 8 * s, "total": 4 * p + 4 * g + 8 * s}
+    """Per rank: {row label: bytes} for the pages' tables (offload's fp32
+    masters are apart from its parameters: 12 bytes of AdamW state)."""
+    state = 12 if strategy == "offload" else 8
+    return [{"parameters": 4 * p, "gradients": 4 * g, "AdamW state": state * s, "total": 4 * p + 4 * g + state * s}
             for p, g, s in held_elements(strategy, n)]
 
 
@@ -557,7 +567,10 @@ def test_strategy_byte_table_is_what_the_code_holds(name):
 
 
 def test_readme_gpt2_row_is_the_fullest_rank():
-    row = next(ln for ln in text(ROOT / "README.md").splitlines() if ln.startswith("| the example's gpt2 at N=8"))
+    lines = text(ROOT / "README.md").splitlines()
+    row = next(ln for ln in lines if ln.startswith("| the example's gpt2 at N=8"))
+    header = next(ln for ln in reversed(lines[:lines.index(row)]) if ln.startswith("| per rank"))
+    columns = [c.strip() for c in header.strip("|").split("|")][1:]  # the strategies, in the table's order
     quoted = [float(x) for x in re.findall(r"(\d+\.\d+) GB", row)]
-    computed = [round(max(r["total"] for r in held_bytes(s, 8)) / 1e9, 2) for s in STRATEGIES]
+    computed = [round(max(r["total"] for r in held_bytes(s, 8)) / 1e9, 2) for s in columns]
     assert quoted == computed

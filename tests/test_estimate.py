@@ -36,8 +36,23 @@ def test_model_state_per_rank_matches_measured_bytes(measured, name, precision):
         r = results[(name, precision)]
         for category in estimate.CATEGORIES:  # each within 2% (they agree to the byte)
             assert r["held"][category] == pytest.approx(expected[rank][category], rel=0.02), (rank, category, r)
-        total = sum(expected[rank].values())  # all live bytes: model state, plus the batch
+        # all live bytes: model state (and offload's pinned copy back), on the device and the host, plus the batch
+        total = sum(estimate.placement(build_model("tiny", device="meta"), name, n, precision, BUCKET_BYTES)[rank].values())
         assert r["current"] == pytest.approx(total, rel=0.02), (rank, r["held"])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p or "fp32")
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_device_and_host_bytes_match_measured(measured, name, precision):
+    """estimate.placement against TensorMemory.placement after a step: offload
+    keeps all but its parameters (and the batch) in host memory, to the byte;
+    the others keep nothing there."""
+    n, ranks = measured
+    expected = estimate.placement(build_model("tiny", device="meta"), name, n, precision, BUCKET_BYTES)
+    for rank, results in enumerate(ranks):
+        got = results[(name, precision)]["placement"]
+        assert got["host"] == expected[rank]["host"], (rank, got)
+        assert got["device"] == pytest.approx(expected[rank]["device"], rel=0.02), (rank, got)
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -118,6 +133,17 @@ def test_cli_gpt2_xl_zero3_on_64_ranks():
     assert all(total >= formula * 0.999 for total in totals.values())
     assert re.search(r"broadcast +[\d,]+ elements", out.stdout) and re.search(r"reduce +[\d,]+ elements", out.stdout)
     assert "3Ψ(N-1)/N" in out.stdout
+
+
+def test_llama_8b_on_8_ranks(capsys):
+    """The Llama shapes: every parameter counted, its RMSNorm layers among the
+    layers (fsdp's units, zero3's broadcasts), the fsdp share 16Ψ/N."""
+    estimate.main(["--model", "llama-8b", "--strategy", "fsdp", "--world-size", "8"])
+    out = capsys.readouterr().out
+    assert "Ψ = 8,030,261,248 parameters" in out
+    module = build_model("llama-8b", device="meta")
+    assert len(estimate.layers(module)) == 32 * 9 + 3  # per block 7 Linear, 2 RMSNorm; embedding, norm, head
+    assert estimate.comm_per_step(module, "fsdp", 8)["reduce_scatter"] == 8_030_261_248  # no padding needed
 
 
 def test_cli_errors(capsys):

@@ -77,12 +77,18 @@ def single_device_losses():
     return losses(run_in_process("single_device", *TINY, "--steps", "4", "--batch-size", "4"))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])  # zero3: the next test
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp", "offload"])  # zero3: the next test
 def test_two_ranks_print_the_single_device_losses(strategy, single_device_losses):
     if strategy not in tiny_zero.STRATEGIES:
         pytest.skip(f"tiny_zero.{strategy} is not there yet")
     assert len(single_device_losses) == 4
     two_ranks = losses(torchrun(strategy, *TINY, "--steps", "4", "--batch-size", "2"))
+    assert two_ranks == pytest.approx(single_device_losses, rel=1e-5, abs=0)
+
+
+def test_tensor_parallel_prints_the_single_device_losses(single_device_losses):
+    """example/tensor at 2 ranks is one replica: it takes the whole batch of 4."""
+    two_ranks = losses(torchrun("tensor", *TINY, "--steps", "4", "--batch-size", "4"))
     assert two_ranks == pytest.approx(single_device_losses, rel=1e-5, abs=0)
 
 
@@ -113,3 +119,53 @@ def test_unusable_data_is_a_one_line_error(tmp_path, capsys, text, message):
     assert exit_info.value.code != 0
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def one_device_and_two_ranks(flags, strategies):
+    """The losses of example/single_device with a batch of 4, and of each
+    strategy's example on 2 ranks with 2 each ({strategy: losses}), the
+    strategies in one launch (tests/local_rank_check.py)."""
+    single = losses(run_in_process("single_device", *flags, "--batch-size", "4"))
+    result = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 str(ROOT / "tests" / "local_rank_check.py"), *map(script, strategies), "--",
+                 *flags, "--batch-size", "2", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    parts = re.split(r"^== (\S+)$", result.stdout, flags=re.MULTILINE)
+    return single, {Path(s).parent.name: losses(text) for s, text in zip(parts[1::2], parts[2::2])}
+
+
+def test_every_example_trains_the_llama():
+    """--model llama-tiny: every strategy on 2 ranks prints the losses of one device."""
+    strategies = list(tiny_zero.STRATEGIES)
+    single, curves = one_device_and_two_ranks(
+        ["--model", "llama-tiny", "--seq-len", "32", "--eval-batches", "1", "--steps", "3"], strategies)
+    assert list(curves) == strategies and len(single) == 3
+    for strategy, curve in curves.items():
+        assert curve == pytest.approx(single, rel=1e-5, abs=0), strategy
+
+
+def test_learning_rate_warms_up_then_decays_along_a_cosine_to_a_tenth():
+    args = train_common.parse_args(argv=["--steps", "100", "--lr", "1e-3"])
+    assert args.warmup_steps == 10  # a tenth of --steps
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
+    sched, lr = train_common.schedule(opt, args), []
+    for _ in range(100):
+        lr.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lr[0] == pytest.approx(1e-4) and lr[9] == lr[10] == pytest.approx(1e-3)
+    assert lr[55] == pytest.approx(0.55e-3)  # half way down the cosine
+    assert all(a > b for a, b in zip(lr[10:], lr[11:])) and lr[99] == pytest.approx(1e-4, rel=1e-2)
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_weight_decay_only_on_matrices(name):
+    args = train_common.parse_args(argv=["--model", name, "--seq-len", "32", "--weight-decay", "0.2"])
+    module = train_common.build_model(args)
+    decay, no_decay = train_common.param_groups(module, args)
+    assert decay["weight_decay"] == 0.2 and no_decay["weight_decay"] == 0.0
+    names = {p: n for n, p in module.named_parameters()}
+    assert {names[p] for p in decay["params"]} == {n for n, p in module.named_parameters() if p.dim() == 2}
+    assert all(n.endswith(("bias", "norm.weight")) or ".ln_" in n or n.startswith("ln_")
+               for n in (names[p] for p in no_decay["params"]))
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names)

@@ -2,8 +2,8 @@
 folders stay parallel, so that `diff -ru tiny_zero/zero2 tiny_zero/zero3`
 shows what one more level of sharding changes.
 
-- ddp, zero1, zero2, zero3 and fsdp have the same four files, the same
-  public names per role (the <Prefix>Layer mixin and LAYER_CLASSES in
+- ddp, zero1, zero2, zero3, fsdp and offload, and the model-parallel tensor,
+  have the same four files, the same public names per role (the <Prefix>Layer mixin and LAYER_CLASSES in
   layers.py, the wrapper in wrapper.py, <Prefix>AdamW in optim.py), and a
   docstring on top of each file that says what the strategy holds and sends.
 - A reader follows one training step in the folder plus at most three shared
@@ -33,10 +33,14 @@ import tiny_zero  # noqa: E402
 from tiny_zero.module.swap import DEFAULT_CLASSES  # noqa: E402
 from tiny_zero.pipeline import Pipeline, PipelineAdamW  # noqa: E402
 from tiny_zero.strategy import StrategyAdamW, StrategyLayer, Wrapper  # noqa: E402
+from tiny_zero.tensor import TensorParallel, TensorParallelAdamW  # noqa: E402
 
-NAMES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
-FOLDERS = NAMES + ["pipeline"]  # every strategy folder
-CLASSES = {**{name: tiny_zero.STRATEGIES[name] for name in NAMES}, "pipeline": (Pipeline, PipelineAdamW)}
+DATA_PARALLEL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
+# tensor and pipeline are not in tiny_zero.STRATEGIES: the ranks of one replica take the same
+# batch, where what iterates STRATEGIES gives every rank its own
+CLASSES = {**{name: tiny_zero.STRATEGIES[name] for name in DATA_PARALLEL},
+           "tensor": (TensorParallel, TensorParallelAdamW), "pipeline": (Pipeline, PipelineAdamW)}
+FOLDERS = list(CLASSES)  # every strategy folder
 FILES = {"__init__.py", "layers.py", "wrapper.py", "optim.py"}
 DOCUMENTED = ["layers.py", "wrapper.py", "optim.py"]  # the files a reader reads top to bottom
 EXTRA = {"pipeline": ["schedule.py"]}  # files a folder has beyond the four
@@ -77,8 +81,8 @@ def prefix(name):
     return CLASSES[name][0].__name__
 
 
-def test_the_strategies_include_the_five_data_parallel_ones():
-    assert list(tiny_zero.STRATEGIES)[:5] == NAMES
+def test_the_strategies_include_the_data_parallel_ones():
+    assert list(tiny_zero.STRATEGIES) == DATA_PARALLEL
 
 
 @pytest.mark.parametrize("name", FOLDERS)

@@ -10,7 +10,7 @@ from harness import run_checks  # noqa: E402
 
 from tiny_zero.precision import LossScaler  # noqa: E402
 
-ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 
 
 @pytest.fixture(scope="module")

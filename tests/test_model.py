@@ -1,4 +1,4 @@
-"""GPT-2 example model: sizes, deterministic (meta) init, forward, training."""
+"""The example models, GPT-2 and Llama: sizes, deterministic (meta) init, forward, training."""
 
 import math
 import sys
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from example.data import ByteData, load_text
-from example.model import CONFIGS, GPT, GPTConfig, build_model, count_parameters
+from example.model import CONFIGS, GPT, GPTConfig, Llama, build_model, count_parameters
 
 
 def expected_count(c: GPTConfig) -> int:
@@ -126,9 +126,32 @@ def test_init_depends_on_seed_and_name_and_fills_other_dtypes():
     assert torch.equal(t, w["wpe.weight"].to(torch.bfloat16))
 
 
-def test_forward_shapes_and_initial_loss():
-    cfg = CONFIGS["tiny"]
-    model = build_model("tiny")
+@pytest.mark.parametrize("name, count", [("llama-1b", 1_235_814_400), ("llama-8b", 8_030_261_248)])
+def test_llama_parameter_counts(name, count):
+    """The published sizes of Llama 3.2 1B (tied head) and Llama 3.1 8B."""
+    model = build_model(name, device="meta")
+    assert isinstance(model, Llama) and count_parameters(model) == count
+
+
+def test_llama_meta_init_matches_normal_build_and_the_head_is_tied():
+    reference = build_model("llama-tiny", seed=3)
+    model = build_model("llama-tiny", seed=3, device="meta")
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        t = torch.empty(p.shape)
+        model.init_parameter(name, t)
+        assert torch.equal(t, dict(reference.named_parameters())[name]), name
+    params = dict(reference.named_parameters())
+    assert torch.equal(params["model.layers.1.post_attention_layernorm.weight"], torch.ones(64))
+    t = torch.empty(4096 * 4096)
+    build_model("llama-8b", device="meta").init_parameter("model.layers.3.mlp.down_proj.weight", t)
+    assert t.std().item() == pytest.approx(0.02 / math.sqrt(2 * 32), rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_forward_shapes_and_initial_loss(name):
+    cfg = CONFIGS[name]
+    model = build_model(name)
     idx = torch.randint(0, 256, (3, cfg.block_size), generator=torch.Generator().manual_seed(0))
     logits = model(idx)
     assert logits.shape == (3, cfg.block_size, 256)
@@ -138,9 +161,10 @@ def test_forward_shapes_and_initial_loss():
     assert abs(loss.item() - math.log(256)) < 0.1
 
 
-def test_training_lowers_loss():
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_training_lowers_loss(name):
     torch.manual_seed(0)
-    model = build_model("tiny")
+    model = build_model(name)
     data = ByteData(load_text(), seq_len=64)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -154,9 +178,10 @@ def test_training_lowers_loss():
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
 
 
-def test_activation_checkpointing_same_loss_and_grads():
-    plain = build_model("tiny")
-    ckpt = build_model("tiny", checkpoint_activations=True)
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_activation_checkpointing_same_loss_and_grads(name):
+    plain = build_model(name)
+    ckpt = build_model(name, checkpoint_activations=True)
     x, y = ByteData(load_text(), seq_len=64).get_batch("train", 4, 0)
     losses = []
     for model in (plain, ckpt):

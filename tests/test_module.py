@@ -1,11 +1,13 @@
-"""Every custom layer equals its torch.nn twin: outputs and input/weight/bias grads."""
+"""Every custom layer equals its torch.nn twin: outputs and input/weight/bias
+grads; and swap_layers converts what it should and refuses, clearly, what it
+should not. (transformers' classes: tests/test_hf.py.)"""
 import copy
 
 import pytest
 import torch
 import torch.nn as nn
 
-from tiny_zero.module import Embedding, LayerNorm, Linear, swap_layers
+from tiny_zero.module import Conv1D, Embedding, LayerNorm, Linear, RMSNorm, layer_classes, swap_layers
 
 SHAPES = {2: (5, 7), 3: (2, 3, 7), 4: (2, 2, 3, 7)}
 
@@ -56,12 +58,47 @@ def test_layernorm_fp32(ndim, affine, bias):
     assert_same(ln, torch.randn(SHAPES[ndim]) * 3 + 1)
 
 
-def test_layernorm_two_normalized_dims():
+@pytest.mark.parametrize("ndim", [2, 3, 4])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("eps", [None, 1e-5])
+def test_rmsnorm_fp32(ndim, affine, eps):
     torch.manual_seed(0)
-    ln = nn.LayerNorm((3, 7))
+    norm = nn.RMSNorm(7, eps=eps, elementwise_affine=affine)
+    if affine:
+        with torch.no_grad():
+            norm.weight.normal_()
+    assert_same(norm, torch.randn(SHAPES[ndim]) * 3 + 1)
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
+def test_norm_over_two_dims(norm):
+    torch.manual_seed(0)
+    layer = norm((3, 7))
     with torch.no_grad():
-        ln.weight.normal_()
-    assert_same(ln, torch.randn(2, 3, 7))
+        layer.weight.normal_()
+    assert_same(layer, torch.randn(2, 3, 7))
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_conv1d_is_a_transposed_linear(ndim):
+    """tiny_zero's Conv1D (transformers' layout, W [in, out]) against nn.Linear
+    holding Wᵀ: the same output, input grad, and weight grad transposed.
+    (Against transformers' own Conv1D: tests/test_hf.py.)"""
+    torch.manual_seed(0)
+    conv = Conv1D(5, 7)
+    with torch.no_grad():
+        conv.bias.normal_()
+    linear = nn.Linear(7, 5)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t()), linear.bias.copy_(conv.bias)
+    x = torch.randn(SHAPES[ndim])
+    out_c, gx_c, g_c = grads_of(conv, x)
+    out_l, gx_l, g_l = grads_of(linear, x)
+    torch.testing.assert_close(out_c, out_l, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(gx_c, gx_l, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(g_c["weight"], g_l["weight"].t(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(g_c["bias"], g_l["bias"], atol=1e-6, rtol=1e-6)
+    assert list(conv.state_dict()) == ["weight", "bias"] and conv.weight.shape == (7, 5)
 
 
 @pytest.mark.parametrize("ndim", [1, 2, 3])
@@ -78,11 +115,13 @@ def test_gradcheck_fp64():
     torch.manual_seed(0)
     lin = swap_layers(nn.Sequential(nn.Linear(4, 3)))[0].double()
     ln = swap_layers(nn.Sequential(nn.LayerNorm(4)))[0].double()
+    rms = swap_layers(nn.Sequential(nn.RMSNorm(4)))[0].double()
+    conv = Conv1D(3, 4).double()
     with torch.no_grad():
-        ln.weight.normal_(), ln.bias.normal_()
+        ln.weight.normal_(), ln.bias.normal_(), rms.weight.normal_()
     x = torch.randn(2, 3, 4, dtype=torch.double, requires_grad=True)
-    assert torch.autograd.gradcheck(lin, (x,))
-    assert torch.autograd.gradcheck(ln, (x,))
+    for layer in (lin, ln, rms, conv):
+        assert torch.autograd.gradcheck(layer, (x,))
     emb = swap_layers(nn.Sequential(nn.Embedding(5, 3)))[0].double()
     idx = torch.tensor([[0, 1, 1], [4, 0, 2]])
     g = torch.randn(2, 3, 3, dtype=torch.double)
@@ -96,7 +135,8 @@ def test_param_grads_match_finite_differences():
     """Our hand-written dW, db, dγ, dβ against fp64 finite differences."""
     torch.manual_seed(0)
     for layer in (swap_layers(nn.Sequential(nn.Linear(4, 3)))[0].double(),
-                  swap_layers(nn.Sequential(nn.LayerNorm(4)))[0].double()):
+                  swap_layers(nn.Sequential(nn.LayerNorm(4)))[0].double(),
+                  swap_layers(nn.Sequential(nn.RMSNorm(4)))[0].double(), Conv1D(3, 4).double()):
         with torch.no_grad():
             for p in layer.parameters():
                 p.normal_()
@@ -119,7 +159,7 @@ def test_param_grads_match_finite_differences():
 def test_low_precision(dtype):
     torch.manual_seed(0)
     for layer, x in ((nn.Linear(16, 8), torch.randn(4, 16)), (nn.LayerNorm(16), torch.randn(4, 16)),
-                     (nn.Embedding(10, 8), torch.randint(0, 10, (4, 3)))):
+                     (nn.RMSNorm(16), torch.randn(4, 16)), (nn.Embedding(10, 8), torch.randint(0, 10, (4, 3)))):
         ref, mine = twins(layer)
         ref, mine = ref.to(dtype), mine.to(dtype)
         xx = x.to(dtype) if x.is_floating_point() else x
@@ -156,10 +196,83 @@ def test_tied_weights():
     torch.testing.assert_close(mine.emb.weight.grad, ref.emb.weight.grad, atol=1e-6, rtol=1e-6)
 
 
-def test_unsupported_layer_is_named():
-    model = nn.Sequential(nn.Linear(3, 3), nn.Conv1d(1, 1, 2))
-    with pytest.raises(TypeError, match=r"'1' \(Conv1d\).*nn.Linear, nn.LayerNorm, nn.Embedding"):
+def test_unsupported_layers_are_all_named_with_a_count_and_the_way_out():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Conv1d(1, 1, 2), nn.BatchNorm1d(3), nn.Conv1d(1, 1, 2))
+    with pytest.raises(TypeError) as error:
         swap_layers(model)
+    message = str(error.value)
+    assert "4 modules" not in message and "3 modules of 2 types" in message
+    assert "torch.nn.modules.conv.Conv1d: 2 modules, e.g. '1'" in message
+    assert "torch.nn.modules.batchnorm.BatchNorm1d: 1 module, e.g. '2'" in message
+    assert "nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Embedding" in message
+    assert "Conv1D, LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm" in message
+    assert "To add a layer" in message and "docs/huggingface.md" in message
+    assert type(model[0]) is nn.Linear  # nothing was converted
+    with pytest.raises(TypeError, match="the parameters of 1 module of 1 type:"):
+        swap_layers(nn.Sequential(nn.Conv1d(1, 1, 2)))
+
+
+class MyLinear(nn.Linear):
+    pass
+
+
+class LoRALinear(nn.Linear):
+    """A subclass with a forward of its own: converting it would drop the low-rank path."""
+
+    def __init__(self, n, rank=2):
+        super().__init__(n, n)
+        self.a = nn.Parameter(torch.zeros(rank, n))
+        self.b = nn.Parameter(torch.zeros(n, rank))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+
+def test_plain_subclasses_are_converted_and_keep_their_class():
+    torch.manual_seed(0)
+    from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+    ref = nn.Sequential(MyLinear(7, 6), NonDynamicallyQuantizableLinear(6, 5))
+    mine = swap_layers(copy.deepcopy(ref))
+    for layer, cls in zip(mine, (MyLinear, NonDynamicallyQuantizableLinear)):
+        assert isinstance(layer, Linear) and isinstance(layer, cls), type(layer).__mro__
+    assert list(mine.state_dict()) == list(ref.state_dict())
+    assert_same(ref, torch.randn(3, 7))
+
+
+def test_a_subclass_with_its_own_forward_is_refused():
+    model = nn.Sequential(LoRALinear(4), LoRALinear(4), nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"test_module.LoRALinear: 2 modules, e.g. '0' \(a subclass of nn.Linear "
+                                        r"with a forward of its own"):
+        swap_layers(model)
+
+
+class AliasedBias(nn.Module):
+    """BERT's prediction head: its own `bias` is the decoder's bias, one tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = nn.Linear(4, 6)
+        self.bias = self.decoder.bias
+
+    def forward(self, x):
+        return self.decoder(x)
+
+
+def test_a_parameter_aliased_outside_its_layer_is_accepted():
+    mine = swap_layers(nn.Sequential(AliasedBias()))
+    assert isinstance(mine[0].decoder, Linear) and mine[0].bias is mine[0].decoder.bias
+
+
+def test_converted_twice_keeps_the_original_class():
+    """Single device first (swap_layers), then a strategy's classes: a plain
+    subclass is still an instance of its own class."""
+    class Mixin:
+        pass
+    model = swap_layers(nn.Sequential(MyLinear(3, 3), nn.RMSNorm(3)))
+    classes = layer_classes(Mixin)
+    swap_layers(model, classes)
+    assert isinstance(model[0], MyLinear) and isinstance(model[0], classes[nn.Linear])
+    assert type(model[1]) is classes[nn.RMSNorm] and isinstance(model[1], RMSNorm)
 
 
 class Small(nn.Module):

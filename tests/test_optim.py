@@ -89,7 +89,9 @@ def flat_update_case(n, device, kernel="triton"):
     assert torch.equal(results["torch"][3], results["torch"][0].bfloat16())
     toward_zero = (p_k.view(torch.int32) & -65536).view(torch.float32).bfloat16()  # drop the low 16 bits
     assert torch.equal(out_k, p_k.bfloat16()) or (device == "cpu" and torch.equal(out_k, toward_zero))
-    assert (results["torch"][0] - p0.to(device)).abs().min().item() > 0  # every element moved
+    # The params moved far beyond the tolerance, so the comparison is not vacuous. (Not "every
+    # element moved": over the 3M elements of the CUDA case a few end exactly where they started.)
+    assert (results["torch"][0] - p0.to(device)).abs().mean().item() > 1e-3
 
 
 def run_python(code, **env):

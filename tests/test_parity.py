@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import run_checks, run_world
 
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 MODES = ["plain", "eps1", "clip", "no_sync"]
 
 

@@ -5,6 +5,7 @@ from .zero1 import Zero1, Zero1AdamW
 from .zero2 import Zero2, Zero2AdamW
 from .zero3 import Zero3, Zero3AdamW
 from .fsdp import FSDP, FSDPAdamW
+from .offload import ZeroOffload, ZeroOffloadAdamW
 
 __version__ = "0.1.0"
 
@@ -14,5 +15,6 @@ STRATEGIES = {
     "zero2": (Zero2, Zero2AdamW),
     "zero3": (Zero3, Zero3AdamW),
     "fsdp": (FSDP, FSDPAdamW),
+    "offload": (ZeroOffload, ZeroOffloadAdamW),
 }
 

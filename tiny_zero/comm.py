@@ -20,8 +20,9 @@ agree(what, **values): every rank checks that every rank passed the same
     channel of its own, for agree(group=...) among those ranks only.
 Buckets: gradient buckets in the order their grads become final, and which
     of them may be sent now.
-LayerOrder: the order in which layers run, recorded on the first step: what
-    comes next, so that its parameters can be gathered ahead of time.
+GatherOrder, gather_units: zero3's and fsdp's units (a block, by default),
+    and the order in which layers run, recorded on the first step: which
+    unit comes next, to gather it ahead, and which the next layer still uses.
 """
 from collections import defaultdict
 from datetime import timedelta
@@ -34,6 +35,7 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # every strategy's default bucket_bytes, as t
 
 timeout = timedelta(minutes=10)
 where = "setup"  # what the strategy is doing now
+recorder = None  # while tiny_zero.measure.trace records a step: told of each collective and each wait
 
 
 def set_timeout(seconds):
@@ -57,8 +59,10 @@ class Pending:
     def __init__(self, work, kind, tensor):
         self.work, self.kind, self.where = work, kind, where
         self.numel, self.on_cuda = tensor.numel(), tensor.is_cuda
+        self.span = None  # its span in the recorder's trace, while one records
 
     def wait(self):
+        started = recorder.stamp() if recorder is not None else None
         try:
             if self.on_cuda:
                 self.work.wait()
@@ -69,6 +73,8 @@ class Pending:
                 f"{self.kind} of {self.numel} elements, started in {self.where} and waited for in "
                 f"{where}, failed or timed out after {timeout}: a rank may have skipped a forward or "
                 f"backward that the others ran, or died ({e})") from e
+        if recorder is not None:
+            recorder.waited(self, started)
 
 
 class CommStats:
@@ -91,7 +97,10 @@ stats = CommStats()
 
 def _run(kind, tensor, launch, async_op):
     stats.record(kind, tensor)
+    launched = recorder.stamp() if recorder is not None else None
     pending = Pending(launch(), kind, tensor)
+    if recorder is not None:
+        recorder.collective(pending, tensor, launched)
     if async_op:
         return pending
     pending.wait()
@@ -329,6 +338,9 @@ class Buckets:
     def add(self, param, grad, send=True):
         """Add one grad contribution into param's bucket; return the buckets
         that may be sent now (none when `send` is False: under no_sync)."""
+        if param not in self.of:
+            raise RuntimeError("a grad came for a parameter that was frozen (requires_grad=False) when the model "
+                               "was wrapped: tiny_zero reads requires_grad once, when wrapping; set it first")
         bucket = self.of[param]
         if bucket.grads is None:
             bucket.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
@@ -389,49 +401,97 @@ class Buckets:
             self.flat.zero_()
 
 
-# ---------------------------------------------------------------- layer order
+# ---------------------------------------------------------------- gather order
 
-class LayerOrder:
-    """The order in which layers run forward, recorded on the first step that
+class GatherOrder:
+    """When zero3 and fsdp gather and free their units (what one gather brings:
+    a transformer block's parameters, say; `units_of` maps each layer to the
+    units it uses).
+
+    The order in which layers run forward is recorded on the first step that
     trains (a layer called twice appears twice; every rank records the same
-    order). Afterwards it predicts the layer after this one, in forward and,
-    walking the order backwards, in backward, so its parameters can be
-    gathered while this one computes.
+    order). Afterwards, as each layer arrives (forward, or walking the order
+    backwards in backward), `arrive` returns the layers expected after it, so
+    the strategy can gather the next unit ahead, and `next_layer` says which
+    units the coming layer needs, so it can free the others.
 
-    A layer that arrives where the order did not expect it (eval with another
-    path, a layer skipped this step) is gathered on the spot; before that,
-    every rank agrees that it is the same layer, so a rank that really went
-    another way gets a clear error instead of mismatched collectives.
+    A layer that needs a unit the order did not predict (eval taking another
+    path, a layer skipped this step, the recording step) is gathered on the
+    spot; before that every rank agrees that it is the same layer, so a rank
+    that really went another way gets a clear error, not mismatched collectives.
     """
 
-    def __init__(self):
+    def __init__(self, units_of):
+        self.units_of = units_of  # in module order
+        self.following = dict(zip(units_of, list(units_of)[1:]))  # the next layer in module order
         self.order = []
         self.recording = True
-        self.position = 0  # forward: calls done; backward: calls left
+        self.backward = False
+        self.position = 0  # forward: layers done; backward: layers left
+        self.last = None  # the layer that arrived last
 
-    def forward(self, layer, expected, training):
-        """layer is about to run forward; `expected`: it was gathered ahead.
-        Returns the layer predicted to run next (None at the end or while recording)."""
+    def arrive(self, layer, expected, backward=False, training=False):
+        """`layer` is about to run; `expected`: what it needs was gathered or
+        started ahead. Returns the layers expected after it, nearest first."""
+        if backward and self.recording:  # the first backward ends the recording
+            self.recording = False
+        if self.recording or not expected:
+            agree(f"the layer to gather in {'backward' if backward else 'forward'}", layer=layer.index)
+        self.last = layer
         if self.recording:
             if training:  # only a forward that backward will follow sets the order
                 self.order.append(layer)
-            agree("the layer to gather in forward", layer=layer.index)
-            return None
+            self.backward = False
+            return []
+        self.backward = backward
+        if backward:
+            if self.position <= 0 or self.order[self.position - 1] is not layer:
+                self.position = len(self.order) - self.order[::-1].index(layer) if layer in self.order else 0
+            self.position -= 1
+            return self.order[self.position - 1::-1] if self.position > 0 else []
         if self.position >= len(self.order) or self.order[self.position] is not layer:
             self.position = self.order.index(layer) if layer in self.order else len(self.order)
-        if not expected:
-            agree("the layer to gather in forward", layer=layer.index)
         self.position += 1
+        return self.order[self.position:]
+
+    def next_layer(self):
+        """The layer expected after the one that just ran (None: the pass ends).
+        While recording, the guess is the next layer in module order."""
+        if self.recording:
+            return self.following.get(self.last)
+        if self.backward:
+            return self.order[self.position - 1] if self.position > 0 else None
         return self.order[self.position] if self.position < len(self.order) else None
 
-    def backward(self, layer, expected):
-        """The same, before layer's backward, walking the order in reverse."""
-        if self.recording:  # the first backward ends the recording
-            self.recording = False
-            self.position = len(self.order)
-        if self.position <= 0 or self.order[self.position - 1] is not layer:
-            self.position = len(self.order) - self.order[::-1].index(layer) if layer in self.order else 0
-        if not expected:
-            agree("the layer to gather in backward", layer=layer.index)
-        self.position -= 1
-        return self.order[self.position - 1] if self.position > 0 else None
+    def next_unit(self, following, gathered):
+        """The first unit the layers in `following` need that is not gathered."""
+        return next((u for layer in following for u in self.units_of[layer] if u not in gathered), None)
+
+    def still_needed(self):
+        """The units the next layer uses: the others can be freed."""
+        layer = self.next_layer()
+        return set(self.units_of[layer]) if layer is not None else set()
+
+
+def gather_units(module, layers, units):
+    """[(module, [its layers])]: what each gather brings. `units`: module classes
+    or names (a module's path, or its class name); None: the model's repeated
+    blocks, found as the children of a ModuleList that are all of one class.
+    A layer in no unit is a unit of its own."""
+    if units is None:
+        chosen = next(([m for m in lst] for lst in module.modules()
+                       if isinstance(lst, torch.nn.ModuleList) and len(lst) > 1
+                       and len({type(c) for c in lst}) == 1), [])
+    else:
+        wanted = [u if isinstance(u, (str, type)) else type(u) for u in units]
+        chosen = [m for path, m in module.named_modules()
+                  if any(w == path or w == type(m).__name__ if isinstance(w, str) else isinstance(m, w)
+                         for w in wanted)]
+    owner = {}
+    for m in chosen:
+        for inner in m.modules():
+            owner.setdefault(inner, m)  # the outermost chosen module holds a layer
+    grouped = {}
+    for layer in layers:
+        grouped.setdefault(owner.get(layer, layer), []).append(layer)
+    return list(grouped.items())

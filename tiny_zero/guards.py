@@ -46,10 +46,18 @@ class ShardedGrad(torch.Tensor):
         grad.strategy = strategy
         return grad
 
+    # what it may tell: its metadata, the parameter's (and `is None`, of p.grad)
+    METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+                torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_sparse.__get__,
+                torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__}
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func is torch.Tensor.__repr__:
             return f"ShardedGrad({args[0].strategy})"
+        if func in cls.METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         strategy = next((a.strategy for a in args if isinstance(a, ShardedGrad)), "this strategy")
         raise RuntimeError(
             f"{strategy} keeps each averaged grad sharded across ranks, not in p.grad: clip with "

@@ -1,19 +1,39 @@
-"""Parameters built on the meta device get their values here, one tensor at a
-time, from the model's own deterministic init: `module.init_parameter(name,
-tensor)` fills `tensor` with the value that parameter `name` has when the
-model is built normally. So no rank ever allocates the whole model."""
+"""Models built on the meta device: no rank ever allocates the whole model.
+
+A meta parameter gets its value here, one tensor at a time, as a strategy
+shards the model. Two cases:
+
+- The model has `init_parameter(name, tensor)` (example/model.py): it fills
+  `tensor` with the value parameter `name` has when the model is built
+  normally.
+- It has none (a Hugging Face model): the values will come from pretrained
+  weights, tiny_zero.checkpoint.load_pretrained(model, path). Until then the
+  parameters are NaN and the model's forward raises, so nothing trains on
+  values that were never set.
+
+Hugging Face models compute some buffers when they are built (the rotary
+frequencies of Llama and Qwen) and keep them out of their checkpoints: build
+those under meta_parameters(), which puts only the parameters on meta.
+"""
+from contextlib import contextmanager
+
 import torch
+import torch.nn as nn
+
+NOT_LOADED = "not_loaded"  # module.__dict__ key: the hook that stops forward until weights are loaded
 
 
 def full_value(module, name, param, device):
-    """The full value of one parameter: its own data, or the model's init for a meta one."""
+    """The full value of one parameter: its own data, or, for a meta one, the
+    model's init, or NaN until load_pretrained fills it."""
     if not param.is_meta:
         return param.data.to(device)
-    if not hasattr(module, "init_parameter"):
-        raise TypeError(f"{type(module).__name__} was built on the meta device but has no "
-                        "init_parameter(name, tensor) method to give its parameters values")
     value = torch.empty(param.shape, dtype=param.dtype, device=device)
-    module.init_parameter(name, value)
+    if hasattr(module, "init_parameter"):
+        module.init_parameter(name, value)
+    else:
+        value.fill_(float("nan"))
+        wait_for_weights(module)
     return value
 
 
@@ -25,3 +45,46 @@ def set_data(param, value):
         torch.utils.swap_tensors(param, torch.nn.Parameter(value, requires_grad=param.requires_grad))
     else:
         param.data = value
+
+
+def wait_for_weights(module):
+    """Until weights_loaded(module), calling module raises."""
+    if NOT_LOADED not in module.__dict__:
+        module.__dict__[NOT_LOADED] = module.register_forward_pre_hook(_not_loaded)
+
+
+def weights_loaded(module):
+    hook = module.__dict__.pop(NOT_LOADED, None)
+    if hook is not None:
+        hook.remove()
+
+
+def _not_loaded(module, args):
+    raise RuntimeError(f"{type(module).__name__} was built on the meta device and has no "
+                       "init_parameter(name, tensor) to give its parameters values: load them first, with "
+                       "tiny_zero.checkpoint.load_pretrained(model, path) (or tiny_zero.checkpoint.load)")
+
+
+@contextmanager
+def meta_parameters():
+    """Build a model with its parameters on the meta device and its buffers
+    real: for a model that computes buffers when it is built and whose
+    parameters load_pretrained will fill.
+
+        with meta_parameters():
+            module = LlamaForCausalLM(config)
+
+    Each parameter is moved to meta as it is registered; a layer's own init
+    then runs on meta and costs nothing."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register

@@ -125,6 +125,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.trainable = [p for _, p in self.named_params if p.requires_grad]  # read once, here
         self.frozen = [p for _, p in self.named_params if not p.requires_grad]
         self.shards, self.working, self.grads = [], {}, {}  # the strategy fills these in
+        self.host = []  # what a rank keeps in host memory, off its device (offload: what the step reads and writes)
         self.buckets = None
         self.require_grad_sync = True
         self.clip_coef = 1.0
@@ -134,7 +135,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.used = 0  # hash of the layers used in forward since the last backward
         self.averaged = set()  # data_ptr()s of the parts of model.grads that hold an average this step
         self.nothing = torch.zeros((), dtype=self.param_dtype, device=self.device)  # see released()
-        self.in_flight = {}  # zero3, fsdp: layer -> [(param or unit, full tensor, handle)] gathered ahead of use
+        self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
         self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
 
     # ------------------------------------------------------------ hooks
@@ -256,17 +257,14 @@ class Wrapper(WrapperStateDicts, nn.Module):
         """{parameter: full fp32 value on the CPU} for a bucket of which every
         rank holds a 1/N chunk (fp32): one all_gather."""
         flat = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
-        comm.all_gather(flat, chunk)
+        comm.all_gather(flat, chunk.to(self.device))  # a chunk kept in host memory (offload) goes by the device
         return {p: bucket.own_view(flat, p).cpu().clone() for p in bucket.params}
 
     def settle(self):
-        """Finish the gathers started ahead for a layer that did not come, so
-        none is mistaken later for current values: at the end of every
-        backward pass and before every step."""
-        for gathers in self.in_flight.values():
-            for _, _, handle in gathers:
-                handle.wait()
-        self.in_flight.clear()
+        """Leave nothing gathered or in flight that a later use could mistake
+        for current values: called at the end of every backward pass and
+        before every step. Nothing to do unless a strategy gathers ahead
+        (zero3 and fsdp extend it)."""
 
     def shard_grads(self):
         """model.grads of a strategy with one shard (zero3, fsdp): made at a
@@ -307,6 +305,14 @@ class Wrapper(WrapperStateDicts, nn.Module):
         if not hasattr(self, "_pieces"):
             self._pieces = self.pieces()
         return self._pieces
+
+    def pieces_to_save(self):
+        """The pieces this rank writes to a checkpoint, so that each element is
+        written once: those it alone holds, and its round-robin share of those
+        every replica holds."""
+        pieces = self.pieces()
+        replicated = [p for p in pieces if p.replicated]
+        return [p for p in pieces if not p.replicated] + replicated[self.replica::self.replicas]
 
     # ------------------------------------------------------------ one step's bookkeeping
 
@@ -409,7 +415,11 @@ class Wrapper(WrapperStateDicts, nn.Module):
         as torch.optim (zero_grad(set_to_none=True), or no grad in any backward
         since, leaves it None). Every rank agrees on them."""
         stepping = []
-        for name, p in self.named_params:
+        for p in self.trainable + self.frozen:  # what this rank holds (a pipeline stage: its own)
+            name = self.name_of[p]
+            if p.requires_grad != (p in self.buckets.of):
+                raise RuntimeError(f"{name}.requires_grad changed after the model was wrapped: tiny_zero reads it "
+                                   "once, when wrapping, to decide what is sent and stepped; set it before wrapping")
             if p.grad is None:
                 continue
             if p not in self.buckets.got_grad:
@@ -442,16 +452,20 @@ class Wrapper(WrapperStateDicts, nn.Module):
         coefficient is applied inside the optimizer's kernel, with the loss
         scale, in the pass that reads the grads."""
         comm.where = "clip_grad_norm_"
-        square_sum = self.grad_square_sum()
-        if not self.grads_replicated:
-            comm.all_reduce(square_sum)  # each rank holds a disjoint part
-        total_norm = square_sum.sqrt() / self.loss_scale
+        total_norm = self.grad_square_sum().sqrt() / self.loss_scale
         self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()
         return total_norm
 
     def grad_square_sum(self):
-        """This rank's part of the squared global norm: its averaged grads (each
-        rank holds a disjoint part, or, grads_replicated, all of them)."""
+        """The sum of the squares of the model's averaged grads, every element
+        counted once (a scalar fp32 tensor, the same on every rank)."""
+        square_sum = self.local_square_sum()
+        if not self.grads_replicated:
+            comm.all_reduce(square_sum)  # each rank holds a disjoint part
+        return square_sum
+
+    def local_square_sum(self):
+        """This rank's part of grad_square_sum(): the squares of the grads it holds."""
         square_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in self.grads.values():
             square_sum += g.float().square().sum()
@@ -507,6 +521,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
     share a group and a step count (usually one launch per shard)."""
 
     wrapper = None  # the wrapper class this optimizer belongs to, set by each strategy
+    kernel = "auto"  # adamw_update_'s: the Triton kernel on CUDA, plain torch on the CPU
 
     def __init__(self, model, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         if not isinstance(model, self.wrapper):
@@ -594,7 +609,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
             adamw_update_(shard[lo:hi], self.model.grads[shard][lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
                           lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                           weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale,
-                          param_out=None if out is None else out[lo:hi])
+                          param_out=None if out is None else out[lo:hi], kernel=self.kernel)
         group_of = self.group_of()
         for p in stepping:
             if p in group_of:

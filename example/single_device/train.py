@@ -1,4 +1,5 @@
-"""Train the example GPT on one device with tiny_zero's layers and AdamW.
+"""Train a model on one device with tiny_zero's layers and AdamW:
+an example GPT or Llama, or a saved Hugging Face model (--model hf:DIR).
 
 Run with python (one process); flags: --help.
 """
@@ -17,7 +18,9 @@ def main():
     args = common.parse_args(__doc__)
     data = common.load_data(args)
     with common.Run(args, data) as run:
-        model = tiny_zero.module.swap_layers(common.build_model(args)).to(args.device, common.single_device_dtype(args))
+        module = common.build_model(args)
+        common.load_weights(module, args)  # --model hf:DIR: the saved weights
+        model = tiny_zero.module.swap_layers(module).to(args.device, common.single_device_dtype(args))
         opt = tiny_zero.optim.AdamW(common.param_groups(model, args), lr=args.lr)
         sched = common.schedule(opt, args)
         for step in run.steps(model, opt, sched):

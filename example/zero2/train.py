@@ -1,4 +1,5 @@
-"""Train the example GPT with ZeRO-2 (optimizer state and grads sharded).
+"""Train a model with ZeRO-2 (optimizer state and grads sharded):
+an example GPT or Llama, or a saved Hugging Face model (--model hf:DIR).
 
 Run with python (one process) or torchrun --nproc_per_node N; flags: --help.
 """
@@ -16,6 +17,7 @@ def main():
     data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
     with common.Run(args, data) as run:
         model = Zero2(common.build_model(args), **common.strategy_options(args))
+        common.load_weights(model, args)  # --model hf:DIR: each rank reads the parts it holds
         opt = Zero2AdamW(model, common.param_groups(model.module, args), lr=args.lr)
         sched = common.schedule(opt, args)
         for step in run.steps(model, opt, sched):

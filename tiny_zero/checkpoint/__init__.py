@@ -1,9 +1,11 @@
 """Sharded checkpoints that reshard: save with any strategy and world size,
-load with any other.
+load with any other; and pretrained weights in, shard by shard.
 
     save(path, model, opt, step=..., extra={...})   every rank writes its part
     load(path, model, opt) -> {"step": ..., "extra": {...}}
-    python -m tiny_zero.checkpoint consolidate PATH OUT.pt
+    python -m tiny_zero.checkpoint consolidate PATH OUT [--format safetensors]
+    load_pretrained(model, path)   a Hugging Face model directory, or a
+                                   state_dict file (pretrained.py)
 
 A checkpoint is a directory:
 
@@ -40,6 +42,7 @@ is never read, and the next save deletes it. All ranks must see the same
 filesystem (one node's disk, or a shared one).
 """
 from .consolidate import consolidate
+from .pretrained import load_pretrained
 from .sharded import CheckpointError, load, save
 
-__all__ = ["CheckpointError", "consolidate", "load", "save"]
+__all__ = ["CheckpointError", "consolidate", "load", "load_pretrained", "save"]

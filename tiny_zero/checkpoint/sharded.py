@@ -2,6 +2,7 @@
 
 See the package docstring (tiny_zero/checkpoint/__init__.py) for the format.
 """
+import bisect
 import logging
 import math
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..materialize import weights_loaded
 from ..state_dicts import state_dict_names
 
 log = logging.getLogger("tiny_zero")
@@ -71,8 +73,7 @@ def _write_shard(saving, model, opt):
     """This rank's pieces, the loss scaler's state; returns what meta.pt needs."""
     pieces = model.pieces()
     layout = {p.name: (tuple(p.shape), str(p.tensor.dtype).removeprefix("torch.")) for p in pieces}
-    replicated = [p for p in pieces if p.replicated]  # held by every replica: each written once, round-robin
-    pieces = [p for p in pieces if not p.replicated] + replicated[model.replica::model.replicas]
+    pieces = model.pieces_to_save()  # each element by one rank only
     shard = {"format": SHARD_FORMAT, "version": VERSION, "rank": model.rank, "world_size": model.world_size,
              **{kind: {} for kind in KINDS}, "step": {}, "checksums": {}}
     for piece in pieces:
@@ -179,6 +180,7 @@ def load(path, model, opt):
         opt.skipped_steps = skipped_steps
     for key, value in meta["buffers"].items():
         model.module.get_buffer(key).copy_(value)
+    weights_loaded(model.module)  # a model built on meta without an init may now run
     return {"step": meta["step"], "extra": meta["extra"]}
 
 
@@ -268,10 +270,13 @@ class ShardReader:
 
     def __init__(self, directory, meta):
         self.directory, self.meta = directory, meta
-        self.where = {}  # parameter name -> [(lo, hi, file)]
+        self.where = {}  # parameter name -> [(lo, hi, file)], in order (the ranges do not overlap)
         for file, info in meta["files"].items():
             for name, lo, hi in info["ranges"]:
                 self.where.setdefault(name, []).append((lo, hi, file))
+        for ranges in self.where.values():
+            ranges.sort()
+        self.ends = {name: [hi for _, hi, _ in ranges] for name, ranges in self.where.items()}
         self.opened = {}
         self.checked = set()
 
@@ -285,10 +290,12 @@ class ShardReader:
         count saved with them (the largest, if they came from several ranges)."""
         out = {kind: torch.empty(hi - lo) for kind in kinds}
         step = 0.0
-        for saved_lo, saved_hi, file in self.where.get(name, []):
+        ranges = self.where.get(name, [])
+        i = bisect.bisect_right(self.ends.get(name, []), lo)  # the first saved range that ends after lo
+        while i < len(ranges) and ranges[i][0] < hi:  # (a row of a split weight is one range: there are many)
+            saved_lo, saved_hi, file = ranges[i]
+            i += 1
             a, b = max(lo, saved_lo), min(hi, saved_hi)
-            if a >= b:
-                continue
             shard, key = self.open(file), (name, saved_lo, saved_hi)
             for kind in kinds:
                 saved = shard[kind].get(key)

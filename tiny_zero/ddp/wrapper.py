@@ -58,7 +58,7 @@ class DDP(Wrapper):
         """Every rank holds every parameter whole: the pieces are replicated."""
         pieces = []
         for name, p in self.named_params:
-            if p.requires_grad:
+            if p in self.buckets.of:  # trainable when wrapped
                 offset = self.buckets.of[p].start + self.buckets.of[p].offsets[p]
                 pieces.append(Piece(name, p.shape, 0, p.numel(), self.shards[0], offset, True))
             else:

@@ -1,19 +1,21 @@
 """FSDP, intra-tensor: every tensor is split 1/N across ranks.
 
-A rank holds: for each layer, a 1/N slice of the layer's parameters,
-flattened and padded (a unit; trainable and frozen parameters in separate
-units), all its trainable slices in one flat buffer (local) with their
+A rank holds: for each unit (a transformer block by default; `units=` picks
+module classes or names; a layer outside them is a unit of its own), a 1/N
+slice of its parameters, flattened and padded (trainable and frozen ones
+apart), all its trainable slices in one flat buffer (local) with their
 averaged grads (from the first reduce-scatter of a step to zero_grad) and
-optimizer state; full parameters only while a layer uses them.
-Collectives: all_gather of a layer's units before its forward and again
-before its backward, the next layer's started ahead (layers.py, unshard);
+optimizer state; full parameters only while a unit's layers run, and the next
+unit's, gathered ahead.
+Collectives: all_gather of a unit before its first layer's forward and again
+before its last layer's backward, the next unit's started ahead (unshard);
 reduce_scatter of each unit's grads during backward, once they are final.
 The optimizer steps the slices: nothing is gathered after the step.
 """
 import torch
 
 from .. import comm
-from ..comm import Buckets, LayerOrder, buckets_from_runs
+from ..comm import Buckets, GatherOrder, buckets_from_runs, gather_units
 from ..module import CallbackLayer
 from ..strategy import Wrapper
 from .layers import LAYER_CLASSES
@@ -22,10 +24,10 @@ from .layers import LAYER_CLASSES
 class FSDP(Wrapper):
     layer_classes = LAYER_CLASSES
 
-    def __init__(self, module, **options):
+    def __init__(self, module, units=None, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         layers = [m for m in self.module.modules() if isinstance(m, CallbackLayer)]
-        units = layer_units(layers, self.world_size)
+        units = flat_units(gather_units(self.module, layers, units), self.world_size)
         unit_of = {p: u for u in units for p in u.params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
         trainable = [u for u in units if u.params[0].requires_grad]
@@ -34,7 +36,8 @@ class FSDP(Wrapper):
         self.frozen_local = self.keep_slices([u for u in units if not u.params[0].requires_grad])
         self.buckets = Buckets(trainable[::-1], self.reduce_dtype, self.device)  # the last layer's grads first
         self.shards = self.fp32_shards([self.local]) if self.local.numel() else []
-        self.order = LayerOrder()
+        self.order = GatherOrder(self.units_of)
+        self.gathered = {}  # unit -> (its full flat buffer, the all-gather) while its layers use it
         self.sending = []  # (unit, reduce-scatter, its averaged grads, the sum) in flight
 
     def keep_slices(self, units):
@@ -63,31 +66,43 @@ class FSDP(Wrapper):
     # ------------------------------------------------------------ gather, free
 
     def unshard(self, layer, training=False, backward=False):
-        """Before layer computes: its units all-gathered (started ahead when the
-        order predicted this layer), and the next layer's started."""
-        gathers = self.in_flight.pop(layer, None)
-        expected = gathers is not None
-        ahead = self.order.backward(layer, expected) if backward else self.order.forward(layer, expected, training)
-        gathers = gathers or self.all_gather(layer)
-        if ahead is not None and ahead is not layer and ahead not in self.in_flight:
-            self.in_flight[ahead] = self.all_gather(ahead)  # STRATEGY: prefetch while this layer computes
-        for unit, full, handle in gathers:
+        """Before a layer computes: the units it uses, all-gathered (started ahead
+        when the order predicted them), and the next unit started."""
+        missing = [u for u in self.units_of[layer] if u not in self.gathered]
+        following = self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
+        for unit in missing:
+            self.gathered[unit] = self.in_flight.pop(unit, None) or self.all_gather(unit)  # STRATEGY: gather
+        ahead = self.order.next_unit(following, self.gathered)
+        if ahead is not None and ahead not in self.in_flight:
+            self.in_flight[ahead] = self.all_gather(ahead)  # STRATEGY: prefetch the next unit while this one computes
+        for unit in missing:
+            full, handle = self.gathered[unit]
             handle.wait()
             for p in unit.params:
                 p.data = unit.own_view(full, p)
 
-    def all_gather(self, layer):
-        out = []
-        for unit in self.units_of[layer]:
-            full = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
-            out.append((unit, full, comm.all_gather(full, self.slices[unit], async_op=True)))  # STRATEGY: N slices -> full
-        return out
+    def all_gather(self, unit):
+        full = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
+        return full, comm.all_gather(full, self.slices[unit], async_op=True)  # STRATEGY: N slices -> full
 
     def reshard(self, layer):
-        for unit in self.units_of[layer]:
-            for p in unit.params:
-                p.data = self.released(p)  # STRATEGY: free the full unit
+        """After a layer computed: free the units the next layer does not use."""
+        keep = self.order.still_needed()
+        for unit in [u for u in self.gathered if u not in keep]:
+            self.free(unit)  # STRATEGY: free behind: the next layer does not use it
 
+    def free(self, unit):
+        del self.gathered[unit]
+        for p in unit.params:
+            p.data = self.released(p)  # STRATEGY: free the full unit
+
+    def settle(self):
+        """Nothing gathered or in flight outlives a pass (stale after a step)."""
+        for _, handle in self.in_flight.values():
+            handle.wait()
+        self.in_flight.clear()
+        for unit in list(self.gathered):
+            self.free(unit)
 
     # ------------------------------------------------------------ grads
 
@@ -129,7 +144,7 @@ class FSDP(Wrapper):
 
     def unit_slices(self):
         """(unit, the flat buffer its slice is in: the fp32 shard or the frozen ones), in layout order."""
-        return [(u, self.shards[0] if u.params[0].requires_grad else self.frozen_local)
+        return [(u, self.shards[0] if u in self.buckets.of.values() else self.frozen_local)
                 for u in sorted(self.slices, key=lambda u: u.index)]
 
     @torch.no_grad()
@@ -144,13 +159,14 @@ class FSDP(Wrapper):
         pass  # the slices are updated in place; the next forward gathers them
 
 
-def layer_units(layers, world_size):
-    """One unit per layer for its trainable parameters and one for its frozen
-    ones: the parameters it registers first (a tied parameter belongs to the
-    first layer that has it), padded to N equal slices."""
+def flat_units(groups, world_size):
+    """The flat layouts one all-gather brings: per group of layers (a block),
+    one for its trainable parameters and one for its frozen ones, padded to N
+    equal slices. A tied parameter belongs to the first group that has it."""
     seen, runs = set(), []
-    for layer in layers:
-        own = [p for p in layer.parameters(recurse=False) if p not in seen]
+    for _, layers in groups:
+        own = [p for layer in layers for p in layer.parameters(recurse=False) if p not in seen]
+        own = list(dict.fromkeys(own))
         seen.update(own)
         runs += [run for run in ([p for p in own if p.requires_grad], [p for p in own if not p.requires_grad]) if run]
     return buckets_from_runs(runs, pad_to=world_size)

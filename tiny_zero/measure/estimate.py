@@ -11,6 +11,8 @@ the two fp32 moments, 12 under mixed precision with the fp32 master):
     zero1        PΨ + PΨ + KΨ/N     (the full gradients stay, as in the paper)
     zero2        PΨ + (P + K)Ψ/N
     zero3, fsdp  (2P + K)Ψ/N
+    offload      PΨ + (P + 12)Ψ/N   (zero2's, with the fp32 masters apart from the
+                                     parameters in fp32 too; all but PΨ in host memory)
 
 And what tiny_zero's wrappers allocate, from the code that partitions: the
 buckets of zero1/2 padded to N at the default bucket size, zero3's owner
@@ -18,7 +20,10 @@ table (whole tensors, so ranks differ: the mean and the most-loaded rank,
 which holds at least the largest tensor), fsdp's per-layer units padded to N; plus 4 bytes of step count per
 optimizer tensor. This is what a rank holds after a step, before
 zero_grad(): activations, buckets in flight and gathered parameters come on
-top (tiny_zero.measure.memory measures those).
+top (tiny_zero.measure.memory measures those). placement() splits it by
+where it lives: offload keeps all but its parameters in host memory, with
+the pinned copy of its chunks in the parameter dtype (PΨ/N under bf16 or
+fp16) that goes back to the device after each step.
 
 Communication per step is the collectives each strategy issues, by size (the
 whole buffer, as tiny_zero.comm counts them), for a model whose every layer
@@ -34,12 +39,14 @@ import sys
 import torch
 
 from ..comm import DEFAULT_BUCKET_BYTES, make_buckets
-from ..fsdp.wrapper import layer_units
-from ..module import torch_type
-from ..zero3.wrapper import loads, owner_table
+from ..comm import gather_units
+from ..fsdp.wrapper import flat_units
+from ..module import layer_kind
+from ..zero3.wrapper import loads, owner_table, unit_params
 from ..precision import param_dtype
+from ..tensor.wrapper import planned_linears, split_parameters
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "offload")
 CATEGORIES = ("parameters", "gradients", "optimizer_state")  # model state, as tiny_zero.measure.memory names it
 STEP_BYTES = 4  # AdamW's step count: an fp32 scalar per parameter, as torch keeps it
 
@@ -47,9 +54,9 @@ STEP_BYTES = 4  # AdamW's step count: an fp32 scalar per parameter, as torch kee
 def formula_terms(strategy, mixed_precision=None):
     """The ZeRO formula's terms: {category: (bytes per parameter, divided by N)}.
     strategy: one of STRATEGIES, or "single" (one device: the same as ddp)."""
-    p, k = element_bytes(mixed_precision)
+    p, k = element_bytes(mixed_precision, strategy)
     sharded = {"single": (), "ddp": (), "zero1": ("optimizer_state",),
-               "zero2": ("gradients", "optimizer_state"),
+               "zero2": ("gradients", "optimizer_state"), "offload": ("gradients", "optimizer_state"),
                "zero3": CATEGORIES, "fsdp": CATEGORIES}[strategy]
     return {c: (size, c in sharded) for c, size in zip(CATEGORIES, (p, p, k))}
 
@@ -90,13 +97,13 @@ def model_state(module, strategy, world_size, mixed_precision=None, bucket_bytes
     """Per rank (a list of N dicts), the bytes of {parameters, gradients,
     optimizer_state} that tiny_zero's `strategy` holds after a step, for
     `module` (build it on the meta device: nothing is allocated)."""
-    p, k = element_bytes(mixed_precision)
+    p, k = element_bytes(mixed_precision, strategy)
     params = [param for _, param in module.named_parameters()]  # a tied parameter once
     numel = sum(param.numel() for param in params)
     n = world_size
     if strategy == "ddp":  # elements of params, grads, optimizer state
         held = [(numel, numel, numel)] * n
-    elif strategy in ("zero1", "zero2"):
+    elif strategy in ("zero1", "zero2", "offload"):
         buckets = make_buckets(as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=n)
         total = sum(b.numel for b in buckets)
         grads = total + total // n if strategy == "zero1" else total // n  # zero1: full local grads + the shard
@@ -105,12 +112,25 @@ def model_state(module, strategy, world_size, mixed_precision=None, bucket_bytes
         named = [(name, param.numel()) for name, param in module.named_parameters()]
         held = [(load, load, load) for load in loads(owner_table(named, n), named, n)]
     elif strategy == "fsdp":
-        share = sum(u.numel for u in layer_units(layers(module), n)) // n
+        share = sum(u.numel for u in fsdp_units(module, n)) // n
         held = [(share, share, share)] * n
     else:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     steps = len(params) * STEP_BYTES  # every rank counts every parameter's steps
     return [dict(parameters=a * p, gradients=g * p, optimizer_state=s * k + steps) for a, g, s in held]
+
+
+def placement(module, strategy, world_size, mixed_precision=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """Per rank, {"device": bytes, "host": bytes} of what model_state() counts,
+    with offload's pinned parameter-dtype copy of its chunks (under bf16 or
+    fp16) on the host; the other strategies keep everything on their device."""
+    ranks = model_state(module, strategy, world_size, mixed_precision, bucket_bytes)
+    if strategy != "offload":
+        return [{"device": sum(r.values()), "host": 0} for r in ranks]
+    p, _ = element_bytes(mixed_precision)
+    return [{"device": r["parameters"], "host": r["gradients"] + r["optimizer_state"]
+             + (r["gradients"] if p != 4 else 0)}  # the copy back: the share, in the parameter dtype
+            for r in ranks]
 
 
 def comm_per_step(module, strategy, world_size, mixed_precision=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
@@ -119,25 +139,44 @@ def comm_per_step(module, strategy, world_size, mixed_precision=None, bucket_byt
     numel = sum(param.numel() for param in params)
     if strategy == "ddp":  # one flat buffer, all-reduced bucket by bucket
         return {"all_reduce": numel}
-    if strategy in ("zero1", "zero2"):  # grads reduce-scattered, updated params all-gathered
+    if strategy in ("zero1", "zero2", "offload"):  # grads reduce-scattered, updated params all-gathered
         buckets = make_buckets(as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=world_size)
         padded = sum(b.numel for b in buckets)
         return {"reduce_scatter": padded, "all_gather": padded}
-    if strategy == "zero3":  # each layer broadcasts its parameters before forward and before backward
-        used = sum(param.numel() for layer in layers(module) for param in layer.parameters(recurse=False))
-        return {"broadcast": 2 * used, "reduce": numel}
-    if strategy == "fsdp":  # each layer gathers its units (a tied weight: the unit that holds it)
-        units = layer_units(layers(module), world_size)
-        unit_of = {param: u for u in units for param in u.params}
-        used = sum(u.numel for layer in layers(module)
-                   for u in dict.fromkeys(unit_of[q] for q in layer.parameters(recurse=False)))
-        return {"all_gather": 2 * used, "reduce_scatter": sum(u.numel for u in units)}
+    if strategy == "zero3":  # each unit's tensors broadcast, once per run of layers using it, forward and backward
+        params_of = unit_params(gather_units(module, layers(module), None))
+        size = lambda unit: sum(p.numel() for p in params_of[unit])  # noqa: E731
+        return {"broadcast": 2 * gathered(layers(module), params_of, size), "reduce": numel}
+    if strategy == "fsdp":  # each unit all-gathered, the same way
+        units = fsdp_units(module, world_size)
+        by_unit = {u: u.params for u in units}
+        return {"all_gather": 2 * gathered(layers(module), by_unit, lambda u: u.numel),
+                "reduce_scatter": sum(u.numel for u in units)}
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 
-def element_bytes(mixed_precision=None):
+def tensor_comm_per_step(module, plan, tp_size, replicas, tokens):
+    """{collective kind: elements} that tensor parallelism (tiny_zero.tensor)
+    sends in one step on `tokens` tokens per replica, every layer running once
+    in forward and once in backward: in a tensor group, all-reduces of each row
+    Linear's output in forward (tokens x its output features) and of each
+    column Linear's input grad in backward (tokens x its input features;
+    column Linears that read one input, as separate q, k and v do, send one
+    all-reduce for all: count one of them); across the replicas, the grads a
+    rank holds (its slices, the rest whole)."""
+    planned = planned_linears(module, plan, tp_size, tp_size * replicas)
+    activations = sum(tokens * (layer.in_features if kind == "column" else layer.out_features)
+                      for layer, (kind, _) in planned.items())
+    split = split_parameters(planned)
+    held = sum(p.numel() // (tp_size if p in split else 1) for p in module.parameters() if p.requires_grad)
+    return {"all_reduce": activations + (held if replicas > 1 else 0)}
+
+
+def element_bytes(mixed_precision=None, strategy=None):
     """(P, K): bytes per parameter (and per gradient), and of AdamW state per parameter."""
     p = torch.finfo(param_dtype(mixed_precision)).bits // 8
+    if strategy == "offload":
+        return p, 12  # the fp32 master is on the host, apart from the parameters, in fp32 too
     return p, 8 if p == 4 else 12  # mixed precision adds the fp32 master
 
 
@@ -148,10 +187,25 @@ def as_dtype(params, mixed_precision):
     return [torch.empty(q.shape, dtype=dtype, device="meta") for q in params]
 
 
+def gathered(module_layers, params_of, size):
+    """Elements one pass gathers: each unit once per run of consecutive layers
+    (in module order, the forward order of the example models) that use it.
+    `size(unit)`: its elements (its parameters', or its padded flat layout's)."""
+    unit_of = {p: unit for unit, params in params_of.items() for p in params}
+    needed = [unit for layer in module_layers for unit in dict.fromkeys(unit_of[p] for p in layer.parameters(recurse=False))]
+    runs = [u for i, u in enumerate(needed) if i == 0 or needed[i - 1] is not u]
+    return sum(size(u) for u in runs)
+
+
+def fsdp_units(module, world_size):
+    """fsdp's flat units for `module`: its blocks (the default), each other layer alone."""
+    return flat_units(gather_units(module, layers(module), None), world_size)
+
+
 def layers(module):
-    """The layers that hold parameters (Linear, LayerNorm, Embedding), in module order."""
+    """The layers that hold parameters (those tiny_zero converts), in module order."""
     return [m for m in module.modules()
-            if torch_type(m) is not None and any(True for _ in m.parameters(recurse=False))]
+            if layer_kind(m) is not None and any(True for _ in m.parameters(recurse=False))]
 
 
 def fmt_bytes(n):
@@ -186,8 +240,14 @@ def report(module, model_name, strategy, world_size, mixed_precision=None, bucke
     else:
         padding = {"zero1": f", {fmt_bytes(bucket_bytes)} buckets padded",
                    "zero2": f", {fmt_bytes(bucket_bytes)} buckets padded",
+                   "offload": f", {fmt_bytes(bucket_bytes)} buckets padded",
                    "fsdp": ", per-layer units padded"}.get(strategy, "")
         add(f"tiny_zero{padding}", ranks[0])
+    if strategy == "offload":
+        where = placement(module, strategy, n, mixed_precision, bucket_bytes)[0]
+        copy = " + the pinned copy back" if element_bytes(mixed_precision)[0] != 4 else ""
+        lines.append(f"  on the device {fmt_bytes(where['device'])} (the parameters); in host memory "
+                     f"{fmt_bytes(where['host'])} (grads, fp32 masters, moments{copy})")
 
     elements = comm_per_step(module, strategy, n, mixed_precision, bucket_bytes)
     p, _ = element_bytes(mixed_precision)

@@ -16,22 +16,26 @@ max_memory_reserved() as well.
         ...                                           # train
     print(memory.peak, memory.current)                # bytes
     print(memory.peak_breakdown)                      # {category: bytes} at the peak
+    print(memory.placement(), memory.peak_placement)  # {"device": bytes, "host": bytes}
 
 The breakdown sorts each live storage into one of CATEGORIES by identity,
 against what the model and optimizer hold at that moment (held_tensors()):
 
     parameters       what the optimizer steps: all parameters (ddp, single
                      device), flat_params (zero1/2: the shards are views of
-                     it), the owned tensors (zero3), the unit slices (fsdp)
+                     it; offload: its chunks are copied back into it), the
+                     owned tensors (zero3), the unit slices (fsdp)
     optimizer_state  exp_avg, exp_avg_sq, step, and the fp32 masters under
-                     mixed precision
+                     mixed precision (offload: always, on the host)
     gradients        the grads the optimizer will read (model.grads, p.grad):
                      ddp and zero1: the full flat_grads; zero1 and zero2: grad_shard;
-                     zero3: the owned grads; fsdp: the grads of its slices
+                     zero3: the owned grads; fsdp: the grads of its slices;
+                     offload: host_grads
     comm_buffers     what exists only to be communicated: full-grad buckets
-                     being filled or in flight (zero2/3, fsdp), parameters
-                     gathered for the layer computing and the one prefetched
-                     (zero3, fsdp)
+                     being filled or in flight (zero2/3, fsdp, offload),
+                     parameters gathered for the layer computing and the one
+                     prefetched (zero3, fsdp), the host's copies of the
+                     chunks in the parameter dtype, for the copy back (offload)
     activations      storages that autograd saved for backward (seen through
                      saved-tensor hooks while the mode is active)
     other            everything else: the batch, logits and loss, gradients
@@ -47,6 +51,13 @@ parameters still to allocate, say); tensors saved under activation
 checkpointing's own hooks count as `other`, not `activations`. For the
 example GPTs the peak is reached early in backward (the logits' grad, or a
 LayerNorm's backward temporary), with every activation still saved.
+
+placement() splits the same bytes by where they live: "host" is what an
+offloading wrapper keeps in host memory (ZeroOffload: model.host and its
+optimizer's state), "device" all the rest. On CUDA that is also a split by
+device type; on a machine without a GPU, where host and device are one
+memory, it says which would be which. Temporaries of the step on the host
+have no name to be known by: they count as device.
 """
 import weakref
 from collections import Counter
@@ -71,11 +82,15 @@ class TensorMemory(TorchDispatchMode):
         self.current = 0  # bytes of tracked storages alive now
         self.peak = 0     # the most `current` has been since creation or reset_peak()
         self._peak_breakdown = None
+        self._peak_host = None
         self._pending = False  # the peak rose and its breakdown is still to be taken
         self._bytes = {}  # id(storage) -> its bytes, for tracked storages alive now
         self._saved = Counter()  # id(storage) -> tensors autograd holds for backward
         self._holders = None  # (model, optimizer), from attach()
         self._hooks = None
+        # f(key, delta), told of each change just before it: key = id(storage),
+        # delta its bytes, negative when it is freed (tiny_zero.measure.trace)
+        self.listeners = []
 
     @classmethod
     def _should_skip_dynamo(cls):
@@ -130,18 +145,33 @@ class TensorMemory(TorchDispatchMode):
 
     def breakdown(self):
         """{category: bytes} of the storages alive now (see the module docstring)."""
-        return self._classify()
+        return self._classify()[0]
 
-    def _classify(self):  # what breakdown() returns; used inside, so a subclass may redefine breakdown()
+    def categories(self):
+        """{id(storage): category} of the storages alive now, and their bytes:
+        ({key: category}, {key: bytes})."""
         category_of = {}
         if self._holders is not None:
             for category, tensors in held_tensors(*self._holders).items():
                 for s in self._storages(tensors):
                     category_of.setdefault(id(s), category)
+        live = dict(self._bytes)  # a copy: the garbage collector may free storages meanwhile
+        return {key: category_of.get(key) or ("activations" if self._saved[key] else "other") for key in live}, live
+
+    def placement(self):
+        """{"device": bytes, "host": bytes} of the storages alive now; sums to current."""
+        host = self._classify()[1]
+        return {"device": self.current - host, "host": host}
+
+    def _classify(self):
+        """({category: bytes}, bytes held on the host) of the storages alive
+        now. Used inside, so a subclass may redefine breakdown()."""
         out = dict.fromkeys(CATEGORIES, 0)
-        for key, size in list(self._bytes.items()):  # a copy: the garbage collector may free storages meanwhile
-            out[category_of.get(key) or ("activations" if self._saved[key] else "other")] += size
-        return out
+        category_of, live = self.categories()
+        for key, size in live.items():
+            out[category_of[key]] += size
+        host = {id(s) for s in self._storages(host_tensors(*self._holders))} if self._holders is not None else set()
+        return out, sum(size for key, size in live.items() if key in host)
 
     @property
     def peak_breakdown(self):
@@ -149,12 +179,20 @@ class TensorMemory(TorchDispatchMode):
         self._settle()
         return self._peak_breakdown
 
+    @property
+    def peak_placement(self):
+        """{"device": bytes, "host": bytes} at the peak (None before attach()); sums to peak."""
+        self._settle()
+        if self._peak_host is None:
+            return None
+        return {"device": self.peak - self._peak_host, "host": self._peak_host}
+
     def reset_peak(self):
         """Start a new peak from what is alive now (and CUDA's, if present)."""
         self.peak = self.current
         self._pending = False
         if self._holders is not None:
-            self._peak_breakdown = self._classify()
+            self._peak_breakdown, self._peak_host = self._classify()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
@@ -175,6 +213,8 @@ class TensorMemory(TorchDispatchMode):
             return
         self._settle()
         size = storage.nbytes()
+        for listener in self.listeners:
+            listener(key, size)
         self._bytes[key] = size
         self.current += size
         weakref.finalize(storage, self._free, key).atexit = False
@@ -184,6 +224,8 @@ class TensorMemory(TorchDispatchMode):
 
     def _free(self, key):
         self._settle()
+        for listener in self.listeners:
+            listener(key, -self._bytes[key])
         self.current -= self._bytes.pop(key)
 
     def _settle(self):
@@ -192,7 +234,7 @@ class TensorMemory(TorchDispatchMode):
         has had every chance to store it where held_tensors() finds it."""
         if self._pending:
             self._pending = False
-            self._peak_breakdown = self._classify()
+            self._peak_breakdown, self._peak_host = self._classify()
 
     def _pack(self, tensor):
         """Saved-tensor hook: note that autograd holds this storage until the
@@ -243,14 +285,26 @@ def held_tensors(model, optimizer=None):
 
 def wrapper_held(model, optimizer_state):
     """What a tiny_zero wrapper holds, from what every strategy declares
-    (tiny_zero/strategy.py: shards, working, grads, buckets, in_flight, nothing).
-    fp32 masters count as optimizer state, as the ZeRO paper counts them."""
+    (tiny_zero/strategy.py: shards, working, grads, buckets, in_flight,
+    nothing, host). fp32 masters count as optimizer state, as the ZeRO paper
+    counts them: on the host they are the pieces' tensors (offload)."""
+    host = {id(t) for t in model.host}
     stored = {id(piece.tensor): piece.tensor for piece in model.all_pieces()}.values()
+    masters = list(model.working) + [t for t in stored if id(t) in host]
     grads = [p.grad for _, p in model.named_params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
     buckets = model.buckets
     temporary = [b.grads for b in buckets if buckets.flat is None and b.grads is not None]
-    gathered = [full for gathers in model.in_flight.values() for _, full, _ in gathers]
-    return {"parameters": [model.working.get(t, t) for t in stored] + [model.nothing],
-            "optimizer_state": optimizer_state + list(model.working),
+    gathered = list(model.in_flight.values())  # the tensors of gathers started ahead
+    return {"parameters": [model.working.get(t, t) for t in stored if id(t) not in host]
+            + [getattr(model, "flat_params", None), model.nothing],
+            "optimizer_state": optimizer_state + masters,
             "gradients": list(model.grads.values()) + grads + [buckets.flat],
-            "comm_buffers": temporary + gathered + [p.data for _, p in model.named_params]}
+            "comm_buffers": temporary + gathered + [p for _, p in model.named_params] + model.host}
+
+
+def host_tensors(model, optimizer=None):
+    """What `model` keeps in host memory, off its device: an offloading
+    wrapper's model.host and its optimizer's state; nothing for the others."""
+    if not getattr(model, "host", None):
+        return []
+    return model.host + (list(optimizer.state.values()) if optimizer is not None else [])

@@ -1,7 +1,10 @@
-"""Linear, LayerNorm and Embedding with their backward written out by hand.
+"""Linear, LayerNorm, RMSNorm, Embedding and Conv1D with their backward
+written out by hand.
 
 Each layer subclasses the torch layer it replaces (same constructor, same
-parameter names, so state_dicts interchange) and runs one autograd.Function:
+parameter names, so state_dicts interchange; Conv1D, which torch lacks, has
+the constructor and layout of transformers' Conv1D) and runs one
+autograd.Function:
 
     forward  -> layer.forward_callback(ctx, x)      returns the output
     backward -> layer.backward_callback(ctx, grad)  returns the input's grad and
@@ -14,10 +17,13 @@ Function only so that autograd knows the output needs a backward; their grads
 are delivered by accumulate_grad, never by autograd, so a strategy decides
 where a gradient lives.
 """
+import math
 from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
+
+from . import fused
 
 
 def in_backward_pass():
@@ -58,7 +64,7 @@ class LayerFunction(torch.autograd.Function):
 
 class CallbackLayer:
     """The part every custom layer shares: the autograd plumbing and the
-    default gradient sink. Mixed into Linear, LayerNorm and Embedding below."""
+    default gradient sink. Mixed into every layer below."""
 
     # torch.compile runs tiny_zero layers eagerly, as calls between its graphs:
     # their callbacks hold Python state (buckets, gathers) that a graph cannot
@@ -119,6 +125,11 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
         return tuple(range(-len(self.normalized_shape), 0))
 
     def forward_callback(self, ctx, x):
+        ctx.fused = not ctx.autocast and fused.available(x, len(self.normalized_shape), (self.weight, self.bias))
+        if ctx.fused:  # the same math in fewer passes (fused.py); the lines below are its reference
+            y, mean, rstd = fused.layer_norm(x, self.weight, self.bias, self.eps)
+            ctx.save_for_backward(x, mean, rstd)
+            return y
         dims = self._dims()
         x32 = x.to(_stats_dtype(x))  # statistics in fp32 (or fp64) for every input dtype
         mean = x32.mean(dims, keepdim=True)
@@ -134,19 +145,98 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
 
     def backward_callback(self, ctx, grad_out):
         x, mean, rstd = ctx.saved
+        if ctx.fused:
+            needs = (ctx.needs_input_grad[1], trains(self.weight), trains(self.bias))
+            grad_x, grad_w, grad_b = fused.layer_norm_backward(grad_out, x, self.weight, self.bias, mean, rstd, needs)
+            self._accumulate(grad_w, grad_b)
+            return grad_x
         dims = self._dims()
         width = self.weight.numel() if self.weight is not None else None
         xhat = (x.to(mean.dtype) - mean) * rstd
         dy = grad_out.to(mean.dtype)
-        if trains(self.weight):
-            self.accumulate_grad(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))  # dγ = Σ dy x̂
-        if trains(self.bias):
-            self.accumulate_grad(self.bias, _rows(dy, width).sum(0).view_as(self.bias))  # dβ = Σ dy
+        grad_w = _rows(dy * xhat, width).sum(0).view_as(self.weight) if trains(self.weight) else None  # dγ = Σ dy x̂
+        grad_b = _rows(dy, width).sum(0).view_as(self.bias) if trains(self.bias) else None  # dβ = Σ dy
+        self._accumulate(grad_w, grad_b)
         if not ctx.needs_input_grad[1]:
             return None
         g = dy * self.weight.to(dy.dtype) if self.weight is not None else dy
         # dx = (g - mean(g) - x̂ mean(g x̂)) / σ
         grad_x = rstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
+        return grad_x.to(x.dtype)
+
+    def _accumulate(self, grad_w, grad_b):
+        if grad_w is not None:
+            self.accumulate_grad(self.weight, grad_w)
+        if grad_b is not None:
+            self.accumulate_grad(self.bias, grad_b)
+
+
+class RMSNorm(CallbackLayer, nn.RMSNorm):
+    """y = x̂ w with x̂ = x / rms(x), rms(x) = sqrt(mean(x²) + eps), statistics in fp32.
+
+    Implementations differ in where the result is cast back to the input
+    dtype (bf16/fp16 only) and in the scale; two attributes follow the layer
+    being replaced (tiny_zero/module/swap.py sets them on adapted layers):
+      cast_before_scale  False: torch's nn.RMSNorm, x̂ w in fp32, then the cast.
+                         True: the RMSNorm of Hugging Face's Llama, Qwen and
+                         Mistral, w · cast(x̂), whose product may promote (an
+                         fp32 w times a bf16 x̂ is fp32).
+      weight_offset      1.0 for Gemma's RMSNorm, which scales x̂ by 1 + w.
+    """
+    cast_before_scale = False
+    weight_offset = 0.0
+
+    def _dims(self):
+        return tuple(range(-len(self.normalized_shape), 0))
+
+    def _scale(self, dtype):
+        """What x̂ is multiplied by, in `dtype`: w, or Gemma's 1 + w (added in fp32)."""
+        return self.weight.to(dtype) + self.weight_offset
+
+    def forward_callback(self, ctx, x):
+        x32 = x.to(_stats_dtype(x))  # statistics in fp32 (or fp64) for every input dtype
+        eps = self.eps if self.eps is not None else torch.finfo(x32.dtype).eps  # torch's default
+        ctx.fused = not ctx.autocast and fused.available(x, len(self.normalized_shape), (self.weight,), rms=True)
+        if ctx.fused:  # the same math in fewer passes (fused.py, CUDA); the lines below are its reference
+            y, rstd = fused.rms_norm(x, self.weight, eps, self.cast_before_scale, self.weight_offset)
+            ctx.save_for_backward(x, rstd)
+            return y
+        rstd = torch.rsqrt(x32.pow(2).mean(self._dims(), keepdim=True) + eps)  # 1 / rms
+        ctx.save_for_backward(x, rstd)
+        xhat = x32 * rstd
+        if self.weight is None:
+            return xhat.to(x.dtype)
+        if self.cast_before_scale:
+            return self.weight * xhat.to(x.dtype)
+        return (xhat * self._scale(xhat.dtype)).to(x.dtype)
+
+    def backward_callback(self, ctx, grad_out):
+        x, rstd = ctx.saved
+        if ctx.fused:
+            needs = (ctx.needs_input_grad[1], trains(self.weight))
+            grad_x, grad_w = fused.rms_norm_backward(grad_out, x, self.weight, rstd, needs, self.cast_before_scale,
+                                                     self.weight_offset)
+            if grad_w is not None:
+                self.accumulate_grad(self.weight, grad_w)
+            return grad_x
+        xhat = x.to(rstd.dtype) * rstd
+        width = math.prod(self.normalized_shape)
+        if self.weight is None:
+            g = grad_out.to(rstd.dtype)
+        elif self.cast_before_scale:  # y = w h with h = cast(x̂)
+            h = xhat.to(x.dtype)
+            if trains(self.weight):  # dw = Σ dy h
+                self.accumulate_grad(self.weight, _rows(grad_out * h, width).sum(0).view_as(self.weight))
+            g = (grad_out * self.weight).to(x.dtype).to(rstd.dtype)  # dh = dy w, rounded to h's dtype as autograd does
+        else:  # y = cast(x̂ s) with s = w + offset in fp32
+            dy = grad_out.to(rstd.dtype)
+            if trains(self.weight):  # dw = Σ dy x̂
+                self.accumulate_grad(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))
+            g = dy * self._scale(dy.dtype)
+        if not ctx.needs_input_grad[1]:
+            return None
+        # g = dL/dx̂; x̂ = x / rms(x) moves with every x_j through rms: dx = (g - x̂ mean(g x̂)) / rms
+        grad_x = rstd * (g - xhat * (g * xhat).mean(self._dims(), keepdim=True))
         return grad_x.to(x.dtype)
 
 
@@ -168,3 +258,35 @@ class Embedding(CallbackLayer, nn.Embedding):
             grad_w[self.padding_idx] = 0  # the padding row never learns
         self.accumulate_grad(self.weight, grad_w)
         return None  # indices have no grad
+
+
+class Conv1D(CallbackLayer, nn.Module):
+    """transformers' Conv1D, GPT-2's attention and MLP projection: y = x W + b
+    with W stored as [in, out] (nx inputs, nf outputs), the transpose of
+    nn.Linear's. Its constructor and state_dict are transformers', so GPT-2
+    checkpoints load either way (tiny_zero does not import transformers)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def extra_repr(self):
+        return f"nf={self.nf}, nx={self.nx}"
+
+    def forward_callback(self, ctx, x):
+        ctx.save_for_backward(x)
+        y = torch.addmm(self.bias, _rows(x, self.nx), self.weight)  # y = b + x W, one fused op
+        return y.view(*x.shape[:-1], self.nf)
+
+    def backward_callback(self, ctx, grad_out):
+        (x,) = ctx.saved
+        grad_x = grad_out @ self.weight.t() if ctx.needs_input_grad[1] else None  # dx = dy Wᵀ
+        dy = _rows(grad_out, self.nf)
+        if self.weight.requires_grad:
+            self.accumulate_grad(self.weight, _rows(x, self.nx).t() @ dy)  # dW = xᵀ dy, [in, out]
+        if self.bias.requires_grad:
+            self.accumulate_grad(self.bias, dy.sum(0))  # db = Σ dy
+        return grad_x

@@ -2,52 +2,166 @@
 
 A layer is converted by changing its class in place: the object keeps its
 parameters, so tied parameters stay tied and state_dict keys do not change.
+
+Each converted layer has a kind, a key of DEFAULT_CLASSES (the torch layer it
+stands for; Conv1D, which torch lacks, is its own kind), and becomes the
+tiny_zero layer of that kind. Converted are:
+  - nn.Linear, nn.LayerNorm, nn.RMSNorm and nn.Embedding, and their plain
+    subclasses: those that keep torch's forward (torch's own
+    NonDynamicallyQuantizableLinear, a `class MyLinear(nn.Linear): pass`).
+    A subclass with a forward of its own (a LoRA Linear) is refused: its
+    forward would be silently replaced;
+  - classes of other libraries that compute what a tiny_zero layer computes,
+    matched by qualified name (FOREIGN), so tiny_zero never imports them.
+A layer of any class but its kind's own gets a class made for it that
+subclasses both the tiny_zero layer and its own class: the tiny_zero forward
+runs, and isinstance(layer, LlamaRMSNorm) still holds.
 """
+import functools
+
 import torch.nn as nn
 
-from .layers import Embedding, LayerNorm, Linear
+from .layers import Conv1D, Embedding, LayerNorm, Linear, RMSNorm
 
-SUPPORTED = (nn.Linear, nn.LayerNorm, nn.Embedding)
-DEFAULT_CLASSES = {nn.Linear: Linear, nn.LayerNorm: LayerNorm, nn.Embedding: Embedding}
+TORCH_LAYERS = {nn.Linear: Linear, nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm, nn.Embedding: Embedding}
+DEFAULT_CLASSES = {**TORCH_LAYERS, Conv1D: Conv1D}  # Conv1D, which torch lacks, is its own kind
 
 
-def torch_type(layer):
-    """nn.Linear / nn.LayerNorm / nn.Embedding for a supported layer, else None."""
-    for base in SUPPORTED:
-        if type(layer) is base or (isinstance(layer, base) and type(layer).__module__.startswith("tiny_zero.")):
-            return base
+def _rms_norm(layer, eps):
+    """What nn.RMSNorm has and Hugging Face's RMSNorm classes lack (they always have a weight)."""
+    layer.normalized_shape, layer.eps, layer.elementwise_affine = tuple(layer.weight.shape), eps, True
+
+
+def _llama_rms_norm(layer):
+    """Llama, Qwen2, Qwen3, Mistral: eps in variance_epsilon; y = w · cast(x̂)."""
+    _rms_norm(layer, layer.variance_epsilon)
+    layer.cast_before_scale = True
+
+
+def _gemma_rms_norm(layer):
+    """Gemma 1 to 3: y = cast(x̂ (1 + w)), the scale in fp32."""
+    _rms_norm(layer, layer.eps)
+    layer.weight_offset = 1.0
+
+
+def _transformers(model, cls):
+    return f"transformers.models.{model}.modeling_{model}.{cls}"
+
+
+# qualified class name -> (kind, what sets the attributes the tiny_zero layer reads, or None)
+FOREIGN = {
+    "transformers.pytorch_utils.Conv1D": (Conv1D, None),  # the same nf, nx, weight and bias
+    **{_transformers(model, cls): (nn.RMSNorm, _llama_rms_norm) for model, cls in [
+        ("llama", "LlamaRMSNorm"), ("qwen2", "Qwen2RMSNorm"), ("qwen3", "Qwen3RMSNorm"),
+        ("mistral", "MistralRMSNorm")]},
+    **{_transformers(model, cls): (nn.RMSNorm, _gemma_rms_norm) for model, cls in [
+        ("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm")]},
+}
+
+
+def qualified_name(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def layer_kind(layer):
+    """The kind (a key of DEFAULT_CLASSES) that swap_layers converts `layer`
+    to, or None if it does not convert it."""
+    cls = type(layer)
+    for kind, ours in DEFAULT_CLASSES.items():
+        if cls is kind or issubclass(cls, ours):  # a torch layer, or one converted before
+            return kind
+    if qualified_name(cls) in FOREIGN:
+        return FOREIGN[qualified_name(cls)][0]
+    for kind in TORCH_LAYERS:
+        if isinstance(layer, kind) and cls.forward is kind.forward:  # a plain subclass
+            return kind
     return None
 
 
 def check_supported(module):
-    """Raise if a parameter lives outside Linear/LayerNorm/Embedding.
+    """Raise if a parameter lives outside the layers swap_layers converts,
+    naming every such module type with a count and an example path. A
+    parameter held by a converted layer may also be registered elsewhere
+    (BERT's cls.predictions.bias is its decoder's bias).
 
     Runs locally, before any collective, so every rank raises the same error."""
+    converted = {p for layer in module.modules() if layer_kind(layer) is not None
+                 for p in layer.parameters(recurse=False)}
+    found = {}  # class -> paths of its modules that hold other parameters
     for path, layer in module.named_modules():
-        own = [name for name, _ in layer.named_parameters(recurse=False)]
-        if own and torch_type(layer) is None:
-            where = path or "<root module>"
-            raise TypeError(
-                f"tiny_zero cannot shard parameters {own} of '{where}' ({type(layer).__name__}): "
-                f"parameters must live in {', '.join('nn.' + t.__name__ for t in SUPPORTED)}")
+        if any(p not in converted for p in layer.parameters(recurse=False)):
+            found.setdefault(type(layer), []).append(path or "<root module>")
+    if found:
+        raise TypeError(unsupported_message(found))
+
+
+def unsupported_message(found):
+    kinds = ", ".join("nn." + kind.__name__ for kind in TORCH_LAYERS)
+    foreign = ", ".join(name.rpartition(".")[2] for name in FOREIGN)
+    lines = [f"tiny_zero cannot shard the parameters of {count(sum(map(len, found.values())), 'module')} "
+             f"of {count(len(found), 'type')}:"]
+    for cls, paths in found.items():
+        lines.append(f"  {qualified_name(cls)}: {count(len(paths), 'module')}, e.g. '{paths[0]}'{own_forward(cls)}")
+    lines += [f"Parameters must live in {kinds} (or a subclass that keeps its forward), or, matched by name, "
+              f"in transformers' {foreign}.",
+              "To add a layer: write its forward and backward as in tiny_zero/module/layers.py and list it "
+              "in tiny_zero/module/swap.py, in TORCH_LAYERS, or in FOREIGN for another library's class "
+              "(docs/huggingface.md, \"Adding a layer\")."]
+    return "\n".join(lines)
+
+
+def count(n, thing):
+    return f"{n} {thing}{'s' * (n != 1)}"
+
+
+def own_forward(cls):
+    """Why a subclass of a supported torch layer is not converted."""
+    for kind in TORCH_LAYERS:
+        if issubclass(cls, kind):
+            return f" (a subclass of nn.{kind.__name__} with a forward of its own, which tiny_zero's would replace)"
+    return ""
 
 
 def layer_classes(*mixins):
-    """A strategy's layers: for each supported torch layer, the tiny_zero layer
-    with the mixins' callbacks in front (DDPLayer -> DDPLinear(..., DDPLayer, Linear)),
-    named after the last mixin. Returns {torch layer class: that class}, what
+    """A strategy's layers: for each kind, the tiny_zero layer with the
+    mixins' callbacks in front (DDPLayer -> DDPLinear(..., DDPLayer, Linear)),
+    named after the last mixin. Returns {kind: that class}, what
     swap_layers() takes."""
     prefix = mixins[-1].__name__.removesuffix("Layer")
-    return {base: type(prefix + layer.__name__, (*mixins, layer), {"__module__": mixins[-1].__module__})
-            for base, layer in DEFAULT_CLASSES.items()}
+    return {kind: type(prefix + layer.__name__, (*mixins, layer), {"__module__": mixins[-1].__module__})
+            for kind, layer in DEFAULT_CLASSES.items()}
+
+
+@functools.cache
+def adapted_class(ours, original):
+    """The class of a layer of class `original` converted to `ours`: both,
+    ours first (its forward runs). Made once per pair."""
+    return type(f"{ours.__name__}_{original.__name__}", (ours, original),
+                {"__module__": ours.__module__, "adapted_class": original})
+
+
+def original_class(layer, kind):
+    """The class `layer` had before tiny_zero converted it (its own, if it never was)."""
+    if isinstance(layer, DEFAULT_CLASSES[kind]):  # converted before: single device, then a strategy
+        return getattr(type(layer), "adapted_class", kind)
+    return type(layer)
 
 
 def swap_layers(module, classes=None):
-    """Convert every supported layer of `module` to classes[torch type], in place."""
+    """Convert every layer of `module` that tiny_zero supports to classes[its
+    kind], in place; raise first if a parameter lives in any other module."""
     classes = classes or DEFAULT_CLASSES
     check_supported(module)
     for layer in module.modules():
-        base = torch_type(layer)
-        if base is not None:
-            layer.__class__ = classes[base]
+        kind = layer_kind(layer)
+        if kind is None:
+            continue
+        original = original_class(layer, kind)
+        if original is kind:
+            layer.__class__ = classes[kind]
+            continue
+        layer.__class__ = adapted_class(classes[kind], original)
+        adapt = FOREIGN.get(qualified_name(original), (None, None))[1]
+        if adapt is not None:
+            adapt(layer)
     return module

@@ -1,7 +1,8 @@
 """AdamW: a flat-tensor update function and a drop-in torch.optim.AdamW built on it.
 
 `adamw_update_` steps one flat fp32 tensor in place and dispatches to the fused Triton kernel
-(kernel.py, GPU) or to plain torch ops (reference.py). The ZeRO/FSDP strategies call it directly
+(kernel.py, GPU), to plain torch ops (reference.py), or, asked for by name, to torch's own
+fused AdamW kernel (fused.py: the fastest on the CPU, where ZeRO-Offload steps). The ZeRO/FSDP strategies call it directly
 on their flat shards; `AdamW` calls it once per parameter.
 
 Triton is imported lazily, only when the Triton path actually runs, so this module works on
@@ -13,9 +14,10 @@ import os
 
 import torch
 
+from .fused import fused_adamw_update_
 from .reference import torch_adamw_update_
 
-KERNELS = ("auto", "triton", "torch")
+KERNELS = ("auto", "triton", "torch", "fused")
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,7 +47,8 @@ def adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, we
     exp_avg, exp_avg_sq: fp32, updated in place. step: the step count after incrementing (>= 1).
     param_out: optional tensor of the same numel (fp16/bf16/fp32) that receives the updated
     param, cast, in the same pass.
-    kernel: "auto" (triton when param is on CUDA and triton imports, else torch) | "triton" | "torch".
+    kernel: "auto" (triton when param is on CUDA and triton imports, else torch) | "triton" | "torch"
+    | "fused" (torch's fused AdamW kernel, fused.py).
     """
     _check_kernel(kernel)
     tensors = [param, grad, exp_avg, exp_avg_sq] + ([] if param_out is None else [param_out])
@@ -62,6 +65,8 @@ def adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, we
         kernel = "triton" if param.is_cuda and _triton_importable() else "torch"
     if kernel == "torch":
         update = torch_adamw_update_
+    elif kernel == "fused":
+        update = fused_adamw_update_
     else:
         if not param.is_cuda and not _triton_interpret():
             raise RuntimeError("the triton AdamW kernel needs CUDA tensors, or TRITON_INTERPRET=1 "

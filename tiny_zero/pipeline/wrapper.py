@@ -284,9 +284,9 @@ class Pipeline(Wrapper):
             return self.buckets.of[param].view(self.flat_grads, param)  # held whole, as under DDP
         return self.sharded_grad(param)
 
-    def grad_square_sum(self):
+    def local_square_sum(self):
         """Each stage's grads once: the first replica's (the others hold the same)."""
-        square_sum = super().grad_square_sum()
+        square_sum = super().local_square_sum()
         return square_sum if self.replica == 0 else square_sum.zero_()
 
     # ------------------------------------------------------------ parameters

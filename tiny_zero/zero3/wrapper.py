@@ -4,16 +4,19 @@ A rank holds: the tensors it owns (owner_table below: largest first, each to
 the least-loaded rank, the same table on every rank, computed without
 communication), the trainable ones in one flat buffer (owned), with their
 averaged grads and optimizer state; every other parameter is empty except
-while a layer uses it.
-Collectives: broadcast from the owner before each layer's forward and again
-before its backward, the next layer's started ahead (layers.py, unshard);
-reduce of each per-owner grad bucket to its owner during backward. The owners
-step their own tensors: nothing is gathered after the step.
+while the layers of its unit (a transformer block by default; `units=` picks
+module classes or names) run, and the next unit's, gathered ahead.
+Collectives: broadcast of each tensor from its owner before a unit's first
+layer runs forward and again before its last layer's backward, the next
+unit's started ahead (unshard); reduce of each per-owner grad bucket to its
+owner during backward. The owners step their own tensors: nothing is gathered
+after the step.
 """
 import torch
 
 from .. import comm
-from ..comm import DEFAULT_BUCKET_BYTES, Buckets, LayerOrder, buckets_from_runs
+from ..comm import DEFAULT_BUCKET_BYTES, Buckets, GatherOrder, buckets_from_runs, gather_units
+from ..module import CallbackLayer
 from ..strategy import Wrapper
 from .layers import LAYER_CLASSES
 
@@ -21,7 +24,7 @@ from .layers import LAYER_CLASSES
 class Zero3(Wrapper):
     layer_classes = LAYER_CLASSES
 
-    def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
+    def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, units=None, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         table = owner_table([(n, p.numel()) for n, p in self.named_params], self.world_size)
         self.owner = {p: table[name] for name, p in self.named_params}  # STRATEGY: whole tensors, one owner each
@@ -30,7 +33,12 @@ class Zero3(Wrapper):
         self.owned = self.keep_owned(self.mine)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device)
         self.shards = self.fp32_shards([self.owned]) if self.owned.numel() else []
-        self.order = LayerOrder()
+        layers = [m for m in self.module.modules() if isinstance(m, CallbackLayer)]
+        self.unit_params = unit_params(gather_units(self.module, layers, units))
+        unit_of = {p: unit for unit, params in self.unit_params.items() for p in params}
+        self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
+        self.order = GatherOrder(self.units_of)
+        self.gathered = {}  # unit -> its broadcasts, while its layers use it
         self.sending = []  # (bucket, reduce) in flight
 
     def keep_owned(self, mine):
@@ -63,30 +71,49 @@ class Zero3(Wrapper):
     # ------------------------------------------------------------ gather, free
 
     def unshard(self, layer, training=False, backward=False):
-        """Before layer computes: its tensors from their owners (started ahead
-        when the order predicted this layer), and the next layer's started."""
-        broadcasts = self.in_flight.pop(layer, None)
-        expected = broadcasts is not None
-        ahead = self.order.backward(layer, expected) if backward else self.order.forward(layer, expected, training)
-        broadcasts = broadcasts or self.broadcast(layer)
-        if ahead is not None and ahead is not layer and ahead not in self.in_flight:
-            self.in_flight[ahead] = self.broadcast(ahead)  # STRATEGY: prefetch while this layer computes
-        for p, full, handle in broadcasts:
-            handle.wait()
-            p.data = full
+        """Before a layer computes: the tensors of the units it uses, from their
+        owners (started ahead when the order predicted them), and the next
+        unit's started."""
+        missing = [u for u in self.units_of[layer] if u not in self.gathered]
+        following = self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
+        for unit in missing:
+            self.gathered[unit] = self.in_flight.pop(unit, None) or self.broadcast(unit)  # STRATEGY: gather
+        ahead = self.order.next_unit(following, self.gathered)
+        if ahead is not None and ahead not in self.in_flight:
+            self.in_flight[ahead] = self.broadcast(ahead)  # STRATEGY: prefetch the next unit while this one computes
+        for unit in missing:
+            for p, full, handle in self.gathered[unit]:
+                handle.wait()
+                p.data = full
 
-    def broadcast(self, layer):
+    def broadcast(self, unit):
         out = []
-        for p in layer.parameters(recurse=False):
+        for p in self.unit_params[unit]:
             full = p.data if self.owner[p] == self.rank else torch.empty(
                 self.shapes[self.name_of[p]], dtype=p.dtype, device=self.device)
             out.append((p, full, comm.broadcast(full, src=self.owner[p], async_op=True)))  # STRATEGY: owner -> all
         return out
 
     def reshard(self, layer):
-        for p in layer.parameters(recurse=False):
+        """After a layer computed: free the units the next layer does not use."""
+        keep = self.order.still_needed()
+        for unit in [u for u in self.gathered if u not in keep]:
+            self.free(unit)  # STRATEGY: free behind: the next layer does not use it
+
+    def free(self, unit):
+        del self.gathered[unit]
+        for p in self.unit_params[unit]:
             if self.owner[p] != self.rank:
                 p.data = self.released(p)  # STRATEGY: free what this rank does not own
+
+    def settle(self):
+        """Nothing gathered or in flight outlives a pass (stale after a step)."""
+        for broadcasts in self.in_flight.values():
+            for _, _, handle in broadcasts:
+                handle.wait()
+        self.in_flight.clear()
+        for unit in list(self.gathered):
+            self.free(unit)
 
     # ------------------------------------------------------------ grads
 
@@ -139,6 +166,18 @@ class Zero3(Wrapper):
 
     def sync_params(self):
         pass  # the owners hold the updated tensors; the next forward broadcasts them
+
+
+def unit_params(groups):
+    """{unit: its parameters} for groups of layers (a block, or one layer): a
+    tied parameter belongs to the first unit that has it."""
+    seen, out = set(), {}
+    for unit, layers in groups:
+        own = list(dict.fromkeys(p for layer in layers for p in layer.parameters(recurse=False) if p not in seen))
+        seen.update(own)
+        if own:
+            out[unit] = own
+    return out
 
 
 def owner_buckets(params, owner, bucket_bytes):

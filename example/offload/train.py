@@ -1,0 +1,36 @@
+"""Train the example GPT with ZeRO-Offload (ZeRO-2, with the optimizer on the CPU).
+
+Run with python (one process) or torchrun --nproc_per_node N; flags: --help.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
+
+from example import train_common as common
+from tiny_zero.offload import ZeroOffload, ZeroOffloadAdamW
+
+
+def main():
+    args = common.parse_args(__doc__)
+    data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
+    with common.Run(args, data) as run:
+        model = ZeroOffload(common.build_model(args), **common.strategy_options(args))
+        opt = ZeroOffloadAdamW(model, common.param_groups(model.module, args), lr=args.lr)
+        sched = common.schedule(opt, args)
+        for step in run.steps(model, opt, sched):
+            x, y = run.batch(step)
+            loss = model(x, y)
+            if run.skip(loss, step):
+                continue
+            loss.backward()
+            model.clip_grad_norm_(common.MAX_GRAD_NORM)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            run.log(step, loss)
+        run.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Worker functions for tests/test_hf.py: Hugging Face models (tiny configs,
+nothing downloaded) trained and loaded by every strategy (run on every rank).
+
+A check returns what went wrong as a list of strings (empty: all is well),
+so that one failing strategy does not end the world the others run in.
+"""
+import functools
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+
+import tiny_zero
+from tiny_zero.checkpoint import CheckpointError, load_pretrained
+from tiny_zero.materialize import meta_parameters
+
+VOCAB, SEQ, PER_RANK = 64, 8, 2
+LR, WD, EPS, STEPS = 1e-2, 0.1, 1.0, 4  # eps=1: the update is about lr * g (see tests/parity_checks.py)
+RTOL, ATOL = 1e-5, 1e-6
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def configs():
+    """name: (model class, config). Llama: untied head, grouped-query attention;
+    Qwen2: tied head, qkv biases; GPT-2: transformers' Conv1D, tied head."""
+    return {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL)),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**SMALL, tie_word_embeddings=True)),
+        "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+    }
+
+
+def build(name, seed=0, **config_changes):
+    cls, config = configs()[name]
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    return cls(config)
+
+
+def loss_of(model, x, y):
+    return F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+
+
+def global_batch(step, world_size):
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (world_size * PER_RANK, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def my_rows(batch):
+    rank = dist.get_rank()
+    return [t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in batch]
+
+
+def reference(name, world_size):
+    """Single-process torch: transformers' own layers, torch.optim.AdamW, the
+    global batch. Per step: the loss and the state_dict after the step."""
+    model = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+    history = []
+    for step in range(STEPS):
+        loss = loss_of(model, *global_batch(step, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append((loss.item(), {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    return history
+
+
+def train_and_compare(name, strategy, ref):
+    """Failures, and the largest relative loss and absolute parameter differences."""
+    wrapper, optimizer = tiny_zero.STRATEGIES[strategy]
+    model = wrapper(build(name))
+    opt = optimizer(model, lr=LR, eps=EPS, weight_decay=WD)
+    failures, loss_diff, param_diff = [], 0.0, 0.0
+    for step, (ref_loss, ref_state) in enumerate(ref):
+        loss = loss_of(model, *my_rows(global_batch(step, dist.get_world_size())))
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean = mean.item() / dist.get_world_size()
+        where = f"{name}/{strategy} world {dist.get_world_size()} step {step}"
+        loss_diff = max(loss_diff, abs(mean - ref_loss) / abs(ref_loss))
+        if abs(mean - ref_loss) > RTOL * abs(ref_loss):
+            failures.append(f"{where}: loss {mean} vs torch {ref_loss}")
+        state = model.full_state_dict()
+        for key, value in ref_state.items():
+            param_diff = max(param_diff, (state[key] - value).abs().max().item())
+            if not torch.allclose(state[key], value, rtol=RTOL, atol=ATOL):
+                failures.append(f"{where}: {key} differs by {(state[key] - value).abs().max().item():.2e}")
+    return failures, loss_diff, param_diff
+
+
+def parity(names, strategies):
+    """{(model, strategy): (failures, loss difference, parameter difference)}."""
+    results = {}
+    for name in names:
+        ref = reference(name, dist.get_world_size())
+        for strategy in strategies:
+            results[name, strategy] = train_and_compare(name, strategy, ref)
+    return results
+
+
+def failures_of(fn, *args):
+    """fn(*args)'s failures, or the exception it raised, as a failure."""
+    try:
+        return fn(*args)
+    except Exception:
+        return [traceback.format_exc(limit=-3)]
+
+
+def wrap_for_loading(name, strategy, on_meta):
+    """A model of `name` wrapped by `strategy`, its parameters not yet the
+    saved ones: built on meta (only the parameters), or with another seed."""
+    if on_meta:
+        with meta_parameters():
+            module = build(name)
+    else:
+        module = build(name, seed=1)
+    return tiny_zero.STRATEGIES[strategy][0](module)
+
+
+def load_and_compare(name, strategy, path, reference_dir, on_meta):
+    """load_pretrained(path) into a fresh wrapped model: its logits equal
+    those of transformers' from_pretrained(reference_dir), the same weights."""
+    model = wrap_for_loading(name, strategy, on_meta)
+    load_pretrained(model, path)
+    with torch.no_grad():
+        ours = model(input_ids=global_batch(7, 1)[0]).logits
+    theirs = reference_logits(name, reference_dir)
+    if not torch.allclose(ours, theirs, rtol=RTOL, atol=ATOL):
+        return [f"{name}/{strategy} from {path.name}: logits differ by {(ours - theirs).abs().max().item():.2e}"]
+    return []
+
+
+@functools.cache
+@torch.no_grad()
+def reference_logits(name, directory):
+    return configs()[name][0].from_pretrained(directory)(input_ids=global_batch(7, 1)[0]).logits
+
+
+def load_all(sources, strategies, on_meta):
+    """sources: [(model name, path, reference directory)]. Failures of every
+    (source, strategy)."""
+    return [f for name, path, reference_dir in sources for strategy in strategies
+            for f in failures_of(load_and_compare, name, strategy, path, reference_dir, on_meta)]
+
+
+def error_of(fn, *args):
+    try:
+        fn(*args)
+    except (CheckpointError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
+def load_errors(strategy, saved, other_model, other_shapes):
+    """The errors of loading files that do not fit, and whether the model is
+    unchanged after them: `saved` holds llama's weights, `other_model`
+    qwen2's, `other_shapes` a llama with a wider MLP."""
+    model = wrap_for_loading("llama", strategy, on_meta=False)
+    before = model.full_state_dict()
+    errors = {what: error_of(load_pretrained, model, path) for what, path in
+              [("other model", other_model), ("other shapes", other_shapes), ("no such path", saved / "nowhere")]}
+    unchanged = all(torch.equal(before[k], v) for k, v in model.full_state_dict().items())
+    return errors, unchanged
+
+
+def built_on_meta(strategy, sources, saved):
+    """Models built on meta: load_pretrained gives each the saved weights;
+    before it, forward raises; buffers left on meta are named. Returns
+    (failures, {what: the error raised})."""
+    failures = load_all(sources, [strategy], on_meta=True)
+    wrapper = tiny_zero.STRATEGIES[strategy][0]
+    errors = {}
+    try:
+        with meta_parameters():
+            module = build("llama")
+        errors["forward before loading"] = error_of(wrapper(module), global_batch(0, 1)[0])
+        with torch.device("meta"):  # buffers on meta too: the rotary frequencies are in no file
+            module = build("llama")
+        errors["meta buffers"] = error_of(load_pretrained, wrapper(module), saved)
+    except Exception:
+        failures.append(traceback.format_exc(limit=-3))
+    return failures, errors
+
+
+def train_and_save(name, strategy, directory):
+    """One step, then tiny_zero.checkpoint.save; returns the full fp32 state."""
+    wrapper, optimizer = tiny_zero.STRATEGIES[strategy]
+    model = wrapper(build(name))
+    opt = optimizer(model, lr=LR, eps=EPS, weight_decay=WD)
+    model.backward(loss_of(model, *my_rows(global_batch(0, dist.get_world_size()))))
+    opt.step()
+    tiny_zero.checkpoint.save(directory, model, opt, step=1)
+    return model.full_state_dict()
+
+
+class Counting:
+    """A safe_open handle, or one tensor's slice of it, that adds up the
+    elements taken out of it."""
+
+    def __init__(self, inner, taken):
+        self.inner, self.taken = inner, taken
+
+    def keys(self):
+        return self.inner.keys()
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def get_slice(self, key):
+        return Counting(self.inner.get_slice(key), self.taken)
+
+    def get_tensor(self, key):
+        return self.count(self.inner.get_tensor(key))
+
+    def __getitem__(self, index):
+        return self.count(self.inner[index])
+
+    def count(self, tensor):
+        self.taken.append(tensor.numel())
+        return tensor
+
+
+def elements_read(strategy, path):
+    """(elements this rank took out of the safetensors files, elements it
+    holds, the pieces they are in, elements in the model), loading `path`
+    into `strategy`."""
+    from tiny_zero.checkpoint import pretrained
+    taken, open_file = [], pretrained.Safetensors._open
+    pretrained.Safetensors._open = staticmethod(lambda file, files: Counting(open_file(file, files), taken))
+    try:
+        model = wrap_for_loading("llama", strategy, on_meta=False)
+        load_pretrained(model, path)
+    finally:
+        pretrained.Safetensors._open = staticmethod(open_file)
+    pieces, total = model.pieces(), sum(p.numel() for p in build("llama").parameters())
+    return sum(taken), sum(p.hi - p.lo for p in pieces), len(pieces), total

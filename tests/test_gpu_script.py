@@ -1,0 +1,50 @@
+"""example/benchmark/gpu.py's logic, on the CPU with tiny sizes: both tables,
+every run, the formula and the reference figures it states, and every run
+training the same model on the same batch."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import tiny_zero
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ["torch", "single_device", *tiny_zero.STRATEGIES]
+
+
+def run_tiny():
+    code = ("import runpy; main = runpy.run_path('example/benchmark/gpu.py')['main']; "
+            "main(sizes=(1000, 4099), models=('tiny',), batch=2, seq_len=16, warmup=1, steps=2)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def table_rows(text, first_cell):
+    """The cells of each markdown row whose first cell matches `first_cell`."""
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+    return [r for r in rows if re.fullmatch(first_cell, r[0])]
+
+
+def test_gpu_script_on_cpu():
+    out = run_tiny()
+    assert out.startswith("no GPU (CPU); torch ")
+
+    kernel = table_rows(out, r"[\d,]+")
+    assert [r[0] for r in kernel] == ["1,000", "4,099"]
+    for r in kernel:
+        assert all(float(c.rstrip("x%")) > 0 for c in r[1:]), r  # every figure measured
+
+    models = {r[0]: r for r in table_rows(out, "|".join(RUNS))}
+    assert list(models) == RUNS
+    assert models["torch"][5] == "1.00"  # the baseline against itself
+    assert all(r[4] == "n/a" for r in models.values())  # no CUDA memory on a CPU
+    losses = [float(r[-1]) for r in models.values()]
+    assert max(abs(loss - losses[0]) for loss in losses) < 1e-2 * losses[0]  # same model, same batch
+
+    assert "torch.autocast(bfloat16), torch.optim.AdamW(fused=True)" in out
+    assert "6·N·tokens + 12·layers·width·seq_len·tokens" in out and "989 TFLOP/s" in out
+    assert "gpt2-large: 17.35 GB" in out

@@ -1,0 +1,5 @@
+"""ZeRO-Offload: ZeRO-2's sharding, with the optimizer (fp32 masters, moments, the step) in host memory."""
+from .wrapper import ZeroOffload
+from .optim import ZeroOffloadAdamW
+
+__all__ = ["ZeroOffload", "ZeroOffloadAdamW"]

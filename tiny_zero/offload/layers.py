@@ -1,0 +1,17 @@
+"""ZeRO-Offload layers: as ZeRO-2's. Each grad goes into its bucket's
+temporary buffer; a bucket whose grads are final is reduce-scattered at once,
+asynchronously, during backward; when that finishes, this rank's slice of the
+sum is copied to the host and the bucket's full grads are freed (wrapper.py).
+
+Compare with ../zero2/layers.py: the same; what moves to the host is in wrapper.py."""
+from ..strategy import layer_classes
+
+
+class ZeroOffloadLayer:
+    def accumulate_grad(self, param, grad):
+        offload = self.wrapper
+        for bucket in offload.buckets.add(param, grad, send=offload.require_grad_sync):
+            offload.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on
+
+
+LAYER_CLASSES = layer_classes(ZeroOffloadLayer)  # ZeroOffloadLinear, ZeroOffloadLayerNorm, ZeroOffloadEmbedding, ...
