@@ -175,6 +175,13 @@ def test_the_timeline_idles_as_the_bubble_formula_says(schedule):
             assert cells.count(".") / len(cells) == pytest.approx(bubble(stages, microbatches))
 
 
+def test_the_pictures_on_the_page_are_the_schedules():
+    """docs/pipeline.md's text block: what timeline() draws for S=4, M=6."""
+    page = (ROOT / "docs" / "pipeline.md").read_text()
+    drawn = "\n".join(f"{name}\n{timeline(SCHEDULES[name], 4, 6)}" for name in ("gpipe", "1f1b"))
+    assert f"```text\n{drawn}\n```" in page
+
+
 def test_the_example_gpt_as_a_sequential_is_the_gpt():
     """example/model.py: GPTSequential has GPT's parameters, initial values
     (built normally or on meta) and state_dict keys, computes the same loss,
