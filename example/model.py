@@ -296,6 +296,103 @@ class Llama(nn.Module):
         return logits_or_loss(self.lm_head(self.model.norm(x)), targets)
 
 
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """GPT's loss: the mean cross-entropy over every token (in fp32)."""
+    return logits_or_loss(logits, targets)
+
+
+class Embeddings(nn.Module):
+    """GPTSequential's first child: token and position embeddings."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = _dropout(config.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class Head(nn.Module):
+    """GPTSequential's last child: the final LayerNorm and the logits."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class SequentialBlock(Block):
+    """A Block of GPTSequential: recomputed in backward under
+    config.checkpoint_activations, as GPT.forward does it."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.checkpoint_activations = config.checkpoint_activations
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+            return checkpoint(super().forward, x, use_reentrant=False)
+        return super().forward(x)
+
+
+class GPTSequential(nn.Sequential):
+    """The same GPT as an nn.Sequential of blocks, for pipeline parallelism
+    (tiny_zero.pipeline cuts it into stages): Embeddings, a Block per layer,
+    Head, children "0" to "n_layer + 1"; seq(idx) gives the logits, and
+    loss_fn(logits, targets) GPT's loss. The head is tied to wte as in GPT.
+
+    The same parameters as GPT, with the same initial values and the same
+    state_dict keys: state_dict() and load_state_dict() speak GPT's names
+    ("wte.weight", "blocks.0.attn.c_attn.weight", ...), so the two load each
+    other's weights; named_parameters() gives the sequence's own ("0.wte.weight",
+    "1.attn.c_attn.weight", ...; gpt_name() turns one into the other).
+    """
+
+    def __init__(self, config: GPTConfig, seed: int = 0):
+        blocks = (SequentialBlock(config) for _ in range(config.n_layer))
+        super().__init__(Embeddings(config), *blocks, Head(config))
+        self.config = config
+        self.seed = seed
+        self[-1].lm_head.weight = self[0].wte.weight  # tied
+        self.register_state_dict_post_hook(_to_gpt_keys)
+        self.register_load_state_dict_pre_hook(_from_gpt_keys)
+        for name, p in self.named_parameters():
+            if not p.is_meta:
+                self.init_parameter(name, p)
+
+    def gpt_name(self, name: str) -> str:
+        """GPT's name for one of ours: "0.wte.weight" -> "wte.weight", "1.ln_1.bias" -> "blocks.0.ln_1.bias"."""
+        index, _, rest = name.partition(".")
+        if int(index) in (0, len(self) - 1):
+            return rest
+        return f"blocks.{int(index) - 1}.{rest}"
+
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """GPT's initial value of the parameter GPT names gpt_name(name)."""
+        GPT.init_parameter(self, self.gpt_name(name), tensor)
+
+
+def _to_gpt_keys(module, state_dict, prefix, local_metadata):
+    """state_dict() post-hook of GPTSequential: our keys become GPT's, in order."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + module.gpt_name(key[len(prefix):])] = state_dict.pop(key)
+
+
+def _from_gpt_keys(module, state_dict, prefix, *args):
+    """load_state_dict() pre-hook of GPTSequential: GPT's keys become ours."""
+    names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+    names += [name for name, _ in module.named_buffers(remove_duplicate=False)]
+    ours = {prefix + module.gpt_name(name): prefix + name for name in names}
+    for key in [k for k in state_dict if k in ours]:
+        state_dict[ours[key]] = state_dict.pop(key)
+
+
 def build_model(name_or_config: str | GPTConfig | LlamaConfig, seed: int = 0, device=None,
                 **overrides) -> GPT | Llama:
     """GPT or Llama from a CONFIGS name or a config; overrides replace config fields.
@@ -317,3 +414,12 @@ def build_model(name_or_config: str | GPTConfig | LlamaConfig, seed: int = 0, de
 def count_parameters(model: nn.Module) -> int:
     """Number of unique parameter elements (the tied head is counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def build_sequential(name_or_config: str | GPTConfig, seed: int = 0, device=None, **overrides) -> GPTSequential:
+    """GPTSequential from a CONFIGS name or a GPTConfig, as build_model builds GPT."""
+    config = build_model(name_or_config, device="meta", **overrides).config  # the same names and overrides
+    if device is None:
+        return GPTSequential(config, seed=seed)
+    with torch.device(device):
+        return GPTSequential(config, seed=seed)

@@ -39,13 +39,16 @@ import tiny_zero
 from tiny_zero import comm
 from tiny_zero.measure import draw, estimate, trace
 from tiny_zero.measure.memory import TensorMemory
+from tiny_zero.pipeline import Pipeline
 from tiny_zero.tensor import TensorParallel
 
 MAX_GRAD_NORM = 1.0
+OTHER_WRAPPERS = {"pipeline": Pipeline, "tensor": TensorParallel}  # not in tiny_zero.STRATEGIES
 TRACED_STEP = 2  # --trace records the third step: the first two warm up (optimizer state, the layer order)
 
 
-def parse_args(description=None, argv=None):
+def parse_args(description=None, argv=None, add_flags=None):
+    """The flags every example takes; add_flags(parser) adds a script's own."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", type=model_name, metavar="{" + ",".join([*CONFIGS, "hf:DIR"]) + "}",
                    help="a model of example/model.py, or hf:DIR, a Hugging Face causal LM saved in the local "
@@ -75,6 +78,8 @@ def parse_args(description=None, argv=None):
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="record the third step (or the last) on every rank: DIR/trace.json for ui.perfetto.dev, "
                         "DIR/trace.png with matplotlib (docs/overlap.md)")
+    if add_flags is not None:
+        add_flags(p)
     args = p.parse_args(argv)
     if (args.save_every or args.resume) and not args.save_dir:
         p.error("--save-every and --resume need --save-dir")
@@ -250,7 +255,7 @@ class Run:
     def skip(self, loss, step):
         """A loss that is not finite on some rank (one all-reduce, so every rank
         agrees): skipped and counted with --skip-nonfinite, else the run stops."""
-        bad = (~torch.isfinite(loss.detach())).float()
+        bad = (~torch.isfinite(torch.as_tensor(loss, device=self.device).detach())).float()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad)
         if bad.item() == 0:
@@ -262,7 +267,7 @@ class Run:
         return True
 
     def log(self, step, loss):
-        mean_loss = average_over_ranks(loss.detach())
+        mean_loss = loss if isinstance(loss, float) else average_over_ranks(loss.detach())  # a float: the mean already
         now = time.perf_counter()
         if self.rank == 0:
             tokens = self.args.batch_size * self.args.seq_len * self.replicas
@@ -333,7 +338,8 @@ class Run:
         if self.args.eval_batches == 0:
             return math.nan
         self.model.eval()
-        total = sum(self.model(*self.batch(i, "val")).float().item() for i in range(self.args.eval_batches))
+        loss_of = getattr(self.model, "eval_step", self.model)  # a pipeline's: the mean over its micro-batches
+        total = sum(float(loss_of(*self.batch(i, "val"))) for i in range(self.args.eval_batches))
         self.model.train()
         return average_over_ranks(torch.tensor(total / self.args.eval_batches, device=self.device))
 
@@ -381,8 +387,8 @@ class Accounting:
 
     def __init__(self, model, opt, memory, args):
         self.model, self.memory, self.args = model, memory, args
-        self.strategy = next((name for name, (wrapper, _) in tiny_zero.STRATEGIES.items()
-                             if isinstance(model, wrapper)), "tensor" if isinstance(model, TensorParallel) else "single")
+        wrappers = {name: wrapper for name, (wrapper, _) in tiny_zero.STRATEGIES.items()} | OTHER_WRAPPERS
+        self.strategy = next((name for name, cls in wrappers.items() if isinstance(model, cls)), "single")
         if memory is not None:
             memory.attach(model, opt)  # from now on the breakdown is taken at each new peak
         self.sent = dict(comm.stats.elements)
@@ -401,7 +407,9 @@ class Accounting:
         with torch.device("meta"):  # the model as built, for Ψ and the estimator: nothing allocated
             module = build_model(self.args)
         numel = sum(p.numel() for p in module.parameters())
-        if self.strategy == "tensor":
+        if self.strategy == "pipeline":
+            lines = self.stage_lines(numel, n)
+        elif self.strategy == "tensor":
             lines = self.memory_lines(model.module, sum(p.numel() for p in model.module.parameters()), precision, n)
             lines += self.tensor_comm_lines(module)
         else:
@@ -455,6 +463,24 @@ class Accounting:
         lines.append(row.format("total", fmt(peak), "", "", "live tensor bytes, tiny_zero.measure.memory"))
         lines.append("  (tiny_zero: what its partition holds after a step, with padding and owner table. The "
                      "peak comes in backward, when some grads are not made yet or sit in buckets: comm buffers)")
+        return lines
+
+    def stage_lines(self, numel, n):
+        """A pipeline's report, stage by stage (the first replica of each):
+        the peak memory by category, measured, and what the stage sent per
+        training step. ZeRO's formulas are for data parallelism: none here."""
+        memory, fmt = self.memory, estimate.fmt_bytes
+        sent = {kind: count / max(self.steps, 1) for kind, count in self.sent.items()}
+        mine = (self.model.stage, memory.peak if memory is not None else torch.cuda.max_memory_allocated(),
+                memory.peak_breakdown if memory is not None else None, sent)
+        everyone = [mine] * n
+        if n > 1:
+            dist.all_gather_object(everyone, mine)  # plain torch.distributed: not counted in comm.stats
+        lines = [f"memory at the peak and communication per training step, by stage, Ψ = {numel:,}"]
+        for stage, peak, breakdown, kinds in everyone[::self.model.replicas]:
+            held = ", ".join(f"{LABELS[c]} {fmt(v)}" for c, v in breakdown.items()) if breakdown else "on CUDA"
+            moved = ", ".join(f"{kind} {count:,.0f}" for kind, count in kinds.items()) or "nothing"
+            lines.append(f"  stage {stage}: peak {fmt(peak)} ({held}); sent {moved} elements")
         return lines
 
     def comm_lines(self, module, numel, precision, n):

@@ -14,6 +14,9 @@ shows what one more level of sharding changes.
   in one place.
 - No import runs back up: nothing inside the package imports a name from its
   __init__, and the shared files import no strategy folder and no tooling.
+- pipeline, the model-parallel folder, is held to the same rules, with one
+  file more (schedule.py: what each stage runs, in which order); it is not in
+  tiny_zero.STRATEGIES, whose users wrap any module data-parallel.
 """
 import ast
 import re
@@ -28,17 +31,19 @@ sys.path.insert(0, str(ROOT))
 
 import tiny_zero  # noqa: E402
 from tiny_zero.module.swap import DEFAULT_CLASSES  # noqa: E402
+from tiny_zero.pipeline import Pipeline, PipelineAdamW  # noqa: E402
 from tiny_zero.strategy import StrategyAdamW, StrategyLayer, Wrapper  # noqa: E402
 from tiny_zero.tensor import TensorParallel, TensorParallelAdamW  # noqa: E402
 
 DATA_PARALLEL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
-# tensor is not in tiny_zero.STRATEGIES: its ranks of one replica take the same batch, where
-# what iterates STRATEGIES gives every rank its own
+# tensor and pipeline are not in tiny_zero.STRATEGIES: the ranks of one replica take the same
+# batch, where what iterates STRATEGIES gives every rank its own
 CLASSES = {**{name: tiny_zero.STRATEGIES[name] for name in DATA_PARALLEL},
-           "tensor": (TensorParallel, TensorParallelAdamW)}
-NAMES = list(CLASSES)
+           "tensor": (TensorParallel, TensorParallelAdamW), "pipeline": (Pipeline, PipelineAdamW)}
+FOLDERS = list(CLASSES)  # every strategy folder
 FILES = {"__init__.py", "layers.py", "wrapper.py", "optim.py"}
 DOCUMENTED = ["layers.py", "wrapper.py", "optim.py"]  # the files a reader reads top to bottom
+EXTRA = {"pipeline": ["schedule.py"]}  # files a folder has beyond the four
 PACKAGE = ROOT / "tiny_zero"
 TOOLING = ("checkpoint", "measure")
 MOST_SHARED_FILES = 3
@@ -47,6 +52,14 @@ MOST_COPIED_LINES = 6  # a function body marked # STRATEGY this short may stand 
 
 def folder(name):
     return PACKAGE / name
+
+
+def files(name):
+    return FILES | set(EXTRA.get(name, []))
+
+
+def documented(name):
+    return DOCUMENTED + EXTRA.get(name, [])
 
 
 def tree(path):
@@ -72,13 +85,13 @@ def test_the_strategies_include_the_data_parallel_ones():
     assert list(tiny_zero.STRATEGIES) == DATA_PARALLEL
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FOLDERS)
 def test_same_files_in_every_folder(name):
-    files = {p.name for p in folder(name).iterdir() if p.name != "__pycache__"}
-    assert files == FILES, f"tiny_zero/{name}: {sorted(files)} (expected {sorted(FILES)})"
+    found = {p.name for p in folder(name).iterdir() if p.name != "__pycache__"}
+    assert found == files(name), f"tiny_zero/{name}: {sorted(found)} (expected {sorted(files(name))})"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FOLDERS)
 def test_layers_define_the_mixin_and_layer_classes(name):
     names = top_level_names(folder(name) / "layers.py")
     expected = {prefix(name) + "Layer", "LAYER_CLASSES"}
@@ -92,7 +105,7 @@ def test_layers_define_the_mixin_and_layer_classes(name):
     assert CLASSES[name][0].layer_classes is module.LAYER_CLASSES
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FOLDERS)
 def test_wrapper_and_optim_define_the_registered_classes(name):
     wrapper, optimizer = CLASSES[name]
     assert wrapper.__name__ in top_level_names(folder(name) / "wrapper.py")
@@ -104,7 +117,7 @@ def test_wrapper_and_optim_define_the_registered_classes(name):
     assert sorted(package.__all__) == sorted([wrapper.__name__, optimizer.__name__])
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FOLDERS)
 def test_every_hook_of_the_base_wrapper_is_filled_in(name):
     wrapper = CLASSES[name][0]
     hooks = [n for n, f in vars(Wrapper).items() if callable(f) and raises_not_implemented(f)]
@@ -124,8 +137,7 @@ def tree_of(function):
     return ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("file", DOCUMENTED)
+@pytest.mark.parametrize("name, file", [(name, file) for name in FOLDERS for file in documented(name)])
 def test_each_file_starts_with_a_docstring(name, file):
     body = tree(folder(name) / file).body
     first = body[0] if body else None
@@ -162,12 +174,12 @@ def test_no_logic_is_copied_between_strategy_folders():
     statements stands in two strategy folders, unless it is a few lines that
     are the strategy itself (at most MOST_COPIED_LINES, some marked # STRATEGY:
     zero1's and zero2's all-gather after the step, say)."""
-    bodies = {name: {} for name in NAMES}
-    for name in NAMES:
-        for file in sorted(FILES):
+    bodies = {name: {} for name in FOLDERS}
+    for name in FOLDERS:
+        for file in sorted(files(name)):
             for qualified, dump, lines, marked in functions(folder(name) / file):
                 bodies[name][dump] = (f"tiny_zero/{name}/{file}: {qualified}", lines, marked)
-    copies = [(bodies[a][d][0], bodies[b][d][0]) for a, b in combinations(NAMES, 2)
+    copies = [(bodies[a][d][0], bodies[b][d][0]) for a, b in combinations(FOLDERS, 2)
               for d in set(bodies[a]) & set(bodies[b])
               if bodies[a][d][1] > MOST_COPIED_LINES or not bodies[a][d][2]]
     assert not copies, f"the same function body in two strategies (share it instead): {copies}"
@@ -175,14 +187,15 @@ def test_no_logic_is_copied_between_strategy_folders():
 
 def test_every_strategy_line_is_in_a_strategy_folder():
     outside = [f"{path.relative_to(ROOT)}:{n}" for path in PACKAGE.rglob("*.py")
-               if path.parent.name not in NAMES
+               if path.parent.name not in FOLDERS
                for n, line in enumerate(path.read_text().splitlines(), 1) if "# STRATEGY" in line]
     assert not outside, f"# STRATEGY lines outside the strategy folders: {outside}"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FOLDERS)
 def test_each_folder_marks_its_strategy(name):
-    marked = sum("# STRATEGY" in line for file in DOCUMENTED for line in (folder(name) / file).read_text().splitlines())
+    marked = sum("# STRATEGY" in line for file in documented(name)
+                 for line in (folder(name) / file).read_text().splitlines())
     assert marked >= 2, f"tiny_zero/{name} marks {marked} lines # STRATEGY"
 
 
@@ -217,7 +230,7 @@ def defining_file(target, name):
 
 
 def shared_files(name):
-    return sorted(f for file in FILES for f in imported_files(folder(name) / file)
+    return sorted(f for file in files(name) for f in imported_files(folder(name) / file)
                   if not f.startswith(f"tiny_zero/{name}/"))
 
 
@@ -229,12 +242,12 @@ def reading_order(name):
     return re.findall(r"(tiny_zero/[\w/]+\.py)", section.group(1))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FOLDERS)
 def test_one_step_reads_in_the_folder_and_at_most_three_shared_files(name):
     shared = sorted(set(shared_files(name)))
     assert len(shared) <= MOST_SHARED_FILES, f"tiny_zero/{name} imports {shared}"
     order = reading_order(name)
-    own = {f"tiny_zero/{name}/{f}" for f in DOCUMENTED}
+    own = {f"tiny_zero/{name}/{f}" for f in documented(name)}
     assert own | set(shared) <= set(order), f"docs/{name}.md's reading order {order} lacks some of {own} {shared}"
     assert len(set(order) - own) <= MOST_SHARED_FILES, f"docs/{name}.md's reading order {order}"
 
@@ -243,7 +256,7 @@ def test_no_import_runs_back_up():
     """Nothing inside the package imports from its __init__ (only
     submodules); the shared files import no strategy folder and no tooling."""
     problems = []
-    strategies = set(NAMES)
+    strategies = set(FOLDERS)
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE)
         for node in ast.walk(tree(path)):

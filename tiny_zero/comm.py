@@ -3,7 +3,8 @@ mechanisms that tell a strategy *when* to send. They make no strategy
 decision: what to send, where, and when to wait and free is in the strategy
 folders.
 
-Collectives: all_reduce, reduce_scatter, all_gather, broadcast, reduce.
+Collectives: all_reduce, reduce_scatter, all_gather, broadcast, reduce; and
+    point to point, send, recv and exchange (several at once).
     Thin calls of torch.distributed that record what they move in `stats`
     (calls, elements and bytes per kind: the whole buffer of the collective;
     each rank sends and receives about (N-1)/N of it). Each returns a Pending
@@ -15,7 +16,8 @@ Collectives: all_reduce, reduce_scatter, all_gather, broadcast, reduce.
 agree(what, **values): every rank checks that every rank passed the same
     integers, on a side channel (a gloo group of its own, CPU tensors), before
     the collectives that would otherwise mismatch or hang; the same clear error
-    on every rank if not.
+    on every rank if not. new_group(ranks) makes a process group with a side
+    channel of its own, for agree(group=...) among those ranks only.
 Buckets: gradient buckets in the order their grads become final, and which
     of them may be sent now.
 GatherOrder, gather_units: zero3's and fsdp's units (a block, by default),
@@ -132,6 +134,37 @@ def reduce(tensor, dst, async_op=False, group=None):
     return _run("reduce", tensor, lambda: dist.reduce(tensor, dst, group=group, async_op=True), async_op)
 
 
+def send(tensor, dst, async_op=False, group=None):
+    """Point to point: `tensor` to global rank `dst` (until it is sent, leave it as it is)."""
+    return _run("send", tensor, lambda: dist.isend(tensor, dst, group=group), async_op)
+
+
+def recv(tensor, src, async_op=False, group=None):
+    """Point to point: into `tensor`, from global rank `src`."""
+    return _run("recv", tensor, lambda: dist.irecv(tensor, src, group=group), async_op)
+
+
+def exchange(sends=(), recvs=(), group=None):
+    """Post sends [(tensor, dst)] and receives [(tensor, src)] at once. NCCL
+    runs the point-to-point calls between two ranks in order, on one stream:
+    two ranks that each send to the other before receiving would wait for each
+    other forever. Posted together (one NCCL group, as torch's
+    batch_isend_irecv makes it), they pass. Returns (pending sends, pending
+    receives): wait on a receive before reading its tensor, on a send before
+    changing its tensor. Where the backend groups them (NCCL), one Pending
+    covers them all, among the receives."""
+    ops = [("send", dist.isend, t, peer) for t, peer in sends] + [("recv", dist.irecv, t, peer) for t, peer in recvs]
+    if not ops:
+        return [], []
+    for kind, _, tensor, _ in ops:
+        stats.record(kind, tensor)
+    works = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group) for _, op, tensor, peer in ops])
+    pending = [Pending(work, kind, tensor) for work, (kind, _, tensor, _) in zip(works, ops)]
+    if len(works) < len(ops):  # grouped: one work for all of them
+        return [], pending
+    return pending[:len(sends)], pending[len(sends):]
+
+
 def all_gather_object(obj):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -151,23 +184,38 @@ def open_side_channel():
         _side_groups[world] = dist.new_group(backend="gloo")
 
 
+def new_group(ranks):
+    """A process group of global `ranks`, with its own side channel for
+    agree(group=...). Collective over the world: every rank calls it for every
+    group, in the same order. A rank outside `ranks` gets None."""
+    ranks = list(ranks)
+    group = dist.new_group(ranks)
+    side = dist.new_group(ranks, backend="gloo") if len(ranks) > 1 and _has_peers() else None
+    if dist.get_rank() not in ranks:
+        return None
+    _side_groups[group] = side
+    return group
+
+
 def _has_peers():
     """More than one rank, and real ones (torch's fake process group, which
     simulates a large world in one process, has none to agree with)."""
     return dist.get_world_size() > 1 and dist.get_backend() != "fake"
 
 
-def agree(what, **values):
-    """Check that every rank passed the same integers (one small all-reduce on
-    the side group); raise DisagreementError, the same on every rank, if not."""
-    if not _has_peers():
+def agree(what, group=None, **values):
+    """Check that every rank (of `group`, one from new_group; default: the
+    world) passed the same integers (one small all-reduce on the side group);
+    raise DisagreementError, the same on every rank, if not."""
+    if not _has_peers() or (group is not None and dist.get_world_size(group) < 2):
         return
     names = list(values)
     # bookkeeping, not the model's memory: out of sight of tensor-counting modes
     # (whose counts gloo's worker thread would otherwise race when it lets go)
     with _disable_current_modes():
         everyone = torch.tensor([values[n] for n in names] + [-values[n] for n in names], dtype=torch.int64)
-        work = dist.all_reduce(everyone, op=dist.ReduceOp.MAX, group=_side_groups[dist.group.WORLD], async_op=True)
+        side = _side_groups[dist.group.WORLD if group is None else group]
+        work = dist.all_reduce(everyone, op=dist.ReduceOp.MAX, group=side, async_op=True)
         Pending(work, f"the agreement on {what}", everyone).wait()
     n = len(names)
     differ = [f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {values[name]})"
@@ -326,6 +374,13 @@ class Buckets:
         for b in fresh:
             b.fresh = False
         return fresh
+
+    def wait(self):
+        """Wait for every bucket's collective in flight."""
+        for b in self.list:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
 
     def end_backward(self):
         """A backward pass is over: the next one counts uses afresh."""

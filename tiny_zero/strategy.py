@@ -108,6 +108,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         # data parallelism: this rank's index among the ranks that hold the same
         # parameters (all of them here; a pipeline stage's or a tensor slice's replicas)
         self.replica, self.replicas = self.rank, self.world_size
+        self.replica_group = None  # the process group of those ranks (None: the world)
         self.device = torch.device(device) if device is not None else local_device()
         check_same_model_on_all_ranks(module)
         comm.open_side_channel()
@@ -203,7 +204,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             view = bucket.view(flat, p)
             view.copy_(self.value(name_of[p], p))
             set_data(p, view)
-        comm.broadcast(flat, src=0)
+        self.broadcast_from_first_replica(flat)
         return flat
 
     def keep_whole(self, params):
@@ -212,8 +213,13 @@ class Wrapper(WrapperStateDicts, nn.Module):
         name_of = self.param_names()
         for p in params:
             value = self.value(name_of[p], p)
-            comm.broadcast(value, src=0)
+            self.broadcast_from_first_replica(value)
             set_data(p, value)
+
+    def broadcast_from_first_replica(self, tensor):
+        """Every replica takes the first one's values (replicas are consecutive
+        ranks; here the world, whose first is rank 0): all start alike."""
+        comm.broadcast(tensor, src=self.rank - self.replica, group=self.replica_group)
 
     def reduce_target(self, dest):
         """Where a collective should write the sum for `dest` (part of
@@ -409,7 +415,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
         as torch.optim (zero_grad(set_to_none=True), or no grad in any backward
         since, leaves it None). Every rank agrees on them."""
         stepping = []
-        for name, p in self.named_params:
+        for p in self.trainable + self.frozen:  # what this rank holds (a pipeline stage: its own)
+            name = self.name_of[p]
             if p.requires_grad != (p in self.buckets.of):
                 raise RuntimeError(f"{name}.requires_grad changed after the model was wrapped: tiny_zero reads it "
                                    "once, when wrapping, to decide what is sent and stepped; set it before wrapping")
@@ -421,7 +428,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
             if p.grad is not self.shown_grad(p):
                 self.take_assigned_grad(name, p)
             stepping.append(p)
-        comm.agree("the optimizer step", step=self.steps, parameters=parameter_hash(self.param_names(), stepping))
+        comm.agree("the optimizer step", group=self.replica_group, step=self.steps,
+                   parameters=parameter_hash(self.param_names(), stepping))
         return stepping
 
     def take_assigned_grad(self, name, p):
@@ -451,11 +459,16 @@ class Wrapper(WrapperStateDicts, nn.Module):
     def grad_square_sum(self):
         """The sum of the squares of the model's averaged grads, every element
         counted once (a scalar fp32 tensor, the same on every rank)."""
+        square_sum = self.local_square_sum()
+        if not self.grads_replicated:
+            comm.all_reduce(square_sum)  # each rank holds a disjoint part
+        return square_sum
+
+    def local_square_sum(self):
+        """This rank's part of grad_square_sum(): the squares of the grads it holds."""
         square_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in self.grads.values():
             square_sum += g.float().square().sum()
-        if not self.grads_replicated:
-            comm.all_reduce(square_sum)  # each rank holds a disjoint part
         return square_sum
 
     @property

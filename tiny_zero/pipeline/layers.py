@@ -1,0 +1,19 @@
+"""Pipeline layers: around its math, a stage's layer does what DDP's does,
+among the replicas of its stage. Each grad goes into its bucket, in the flat
+buffer of the stage's grads. A stage runs the backward of every micro-batch,
+and a grad is final only in the last one's: until then the grads add up in
+place; in the last, a bucket is all-reduced among the replicas as soon as its
+grads are final, while the backward goes on (wrapper.py: Pipeline.all_reduce).
+Nothing is gathered: a stage holds all of its parameters. The activations
+between stages are not the layers' business: the schedule sends them."""
+from ..strategy import layer_classes
+
+
+class PipelineLayer:
+    def accumulate_grad(self, param, grad):
+        pipe = self.wrapper
+        for bucket in pipe.buckets.add(param, grad, send=pipe.syncing):  # syncing: the last micro-batch's backward
+            pipe.all_reduce(bucket)  # STRATEGY: now, async; backward goes on
+
+
+LAYER_CLASSES = layer_classes(PipelineLayer)  # PipelineLinear, PipelineLayerNorm, PipelineEmbedding, ...

@@ -1,0 +1,384 @@
+"""Pipeline parallelism: the children of an nn.Sequential cut into S stages,
+one per rank, each running every micro-batch of a step in the order of a
+schedule, GPipe's or 1F1B's (schedule.py). With W = S × R ranks, R replicas
+of the pipeline train side by side: stage = rank // R, replica = rank % R;
+each stage is data parallel over its replicas, as DDP is over the world.
+
+A rank holds: its stage's parameters, in one flat buffer (flat_params; the
+other stages' are never materialised here), their grads in a flat buffer of
+the same layout cut into buckets, and their optimizer state; during a step,
+the input and the saved activations of each micro-batch from its forward to
+its backward (how many at once is what the schedule decides). A parameter
+that several stages hold (a tied embedding and head) is owned by the first of
+them: only there is it stepped and saved; the others keep a copy at the end
+of flat_params, outside what the optimizer steps.
+Collectives:
+- per micro-batch, point to point with the neighbour stages: its activation
+  to the next stage after its forward, the grad of its input to the previous
+  one after its backward. A stage posts what its last action made together
+  with what its next one needs (comm.exchange), and waits only to receive.
+- in the last micro-batch's backward, all_reduce of each bucket of grads
+  among the stage's replicas, as soon as it is final (layers.py); at the end,
+  the waits and the division by R.
+- a tied parameter's grad goes to its owner, which adds it to its own before
+  the step (reduce_grads); after the step the owner sends the new value back
+  (sync_params).
+- per step: the agreement on it (comm.agree over the world) and one scalar
+  all_reduce of the loss.
+"""
+import zlib
+from functools import cache
+from itertools import accumulate
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..comm import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs, make_buckets
+from ..distributed import init_distributed
+from ..strategy import ScaleGrad, Wrapper
+from .layers import LAYER_CLASSES
+from .schedule import FORWARD, SCHEDULES
+
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+HEADER = 8  # elements of the message that tells the next stage what it will receive: dtype, dims, shape
+
+
+class Pipeline(Wrapper):
+    layer_classes = LAYER_CLASSES
+
+    def __init__(self, seq, loss_fn, microbatches=4, schedule="1f1b", stages=None, balance=None,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
+        world = init_distributed()[1]
+        stages = world if stages is None else stages
+        counts = stage_sizes(seq, loss_fn, microbatches, schedule, stages, balance, world)  # every rank raises alike
+        super().__init__(seq, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
+        self.loss_fn, self.microbatches, self.stages = loss_fn, microbatches, stages
+        self.replicas = world // stages
+        self.stage, self.replica = divmod(self.rank, self.replicas)
+        self.first, self.last = self.stage == 0, self.stage == stages - 1
+        self.actions = SCHEDULES[schedule](stages, microbatches, self.stage)
+        comm.agree("the pipeline", stages=stages, microbatches=microbatches,
+                   schedule=list(SCHEDULES).index(schedule), balance=crc(counts))
+        groups = [comm.new_group(range(s * self.replicas, (s + 1) * self.replicas)) for s in range(stages)]
+        self.replica_group = groups[self.stage]
+        ends = list(accumulate(counts))
+        children = [list(seq)[end - n:end] for n, end in zip(counts, ends)]
+        self.layers = children[self.stage]
+        held = [{p for child in run for p in child.parameters()} for run in children]
+        self.holders = {p: [s for s in range(stages) if p in held[s]] for _, p in self.named_params}
+        self.hold(held[self.stage], bucket_bytes)
+        self.syncing = False  # True in the last micro-batch's backward: buckets are sent as they fill
+
+    def hold(self, mine, bucket_bytes):
+        """Materialise this stage's parameters only: a flat buffer as DDP's,
+        its own parameters first (the shard the optimizer steps), then the
+        copies of tied parameters that an earlier stage owns."""
+        for _, p in self.named_params:
+            if p not in mine:
+                self.set_data(p, self.released(p))  # STRATEGY: another stage's: nothing allocated here
+        self.trainable = [p for p in self.trainable if p in mine]
+        self.frozen = [p for p in self.frozen if p in mine]
+        self.tied = [p for _, p in self.named_params if p in mine and len(self.holders[p]) > 1]
+        own = [p for p in self.trainable if self.owns(p)]
+        copies = [p for p in self.trainable if not self.owns(p)]
+        runs = [b.params for b in make_buckets(own[::-1], bucket_bytes)]  # backward runs the last layer first
+        buckets = buckets_from_runs(runs + ([copies] if copies else []))
+        self.own_buckets = buckets[:len(runs)]
+        self.flat_params = self.flatten(buckets, own + copies)  # every replica of the stage: the first's values
+        self.keep_whole(self.frozen)
+        self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads)
+        stepped = sum(b.numel for b in self.own_buckets)
+        self.shards = self.fp32_shards([self.flat_params[:stepped]])
+        self.grads = {self.shards[0]: self.flat_grads[:stepped]}
+        self.send_tied(self.tied)  # every holder starts from the owner's values
+
+    def owns(self, param):
+        return self.holders[param][0] == self.stage
+
+    def rank_of(self, stage, replica=None):
+        """The rank of `stage` in this rank's replica (or in `replica`)."""
+        return stage * self.replicas + (self.replica if replica is None else replica)
+
+    # ------------------------------------------------------------ one step
+
+    def train_step(self, x, y):
+        """Forward and backward of every micro-batch of (x, y) in the
+        schedule's order; then, as after loss.backward() on the whole batch,
+        grads averaged over the replicas and p.grad set. x and y: this
+        replica's batch, on every rank (the first stage reads x, the last y).
+        Returns the mean loss over micro-batches and replicas (a float, the
+        same on every rank)."""
+        self.run(self.actions, x, y, "train_step")
+        self.backward_done()  # as at the end of a backward pass: reduce_grads(), then p.grad
+        return self.mean_loss()
+
+    @torch.no_grad()
+    def eval_step(self, x, y):
+        """Forward only, micro-batch after micro-batch; the mean loss on every rank."""
+        self.run([(FORWARD, m) for m in range(self.microbatches)], x, y, "eval_step")
+        return self.mean_loss()
+
+    def run(self, actions, x, y, what):
+        """Run this stage's actions (schedule.py), in order."""
+        self.micro_batches(x, y, what)
+        self.saved, self.outbox, self.sending, self.losses = {}, [], [], []
+        self.syncing = False
+        for kind, m in actions:
+            comm.where = f"stage {self.stage}, {what} {kind}{m}"
+            if kind == FORWARD:
+                self.forward_step(m)
+            else:
+                self.backward_step(m)
+        self.exchange()  # the last action's sends
+        for pending in self.sending:
+            pending.wait()
+        self.sending = []
+
+    def micro_batches(self, x, y, what):
+        """Check the batch (on every rank, before any collective: each has
+        the same x and y), agree on the step, cut it into micro-batches."""
+        for name, t in (("x", x), ("y", y)):
+            if t.dim() == 0 or t.shape[0] % self.microbatches:
+                raise ValueError(f"{what}: {name} has {t.shape[0] if t.dim() else 0} rows, which "
+                                 f"microbatches={self.microbatches} does not divide: the micro-batches are equal")
+        comm.agree(f"this {what}", step=self.steps, grad=int(torch.is_grad_enabled()),
+                   no_sync=int(not self.require_grad_sync), shapes=crc([tuple(x.shape), tuple(y.shape)]))
+        self.inputs = x.to(self.device).chunk(self.microbatches) if self.first else None
+        self.targets = y.to(self.device).chunk(self.microbatches) if self.last else None
+
+    def forward_step(self, m):
+        if self.first:
+            self.exchange()
+            x = self.inputs[m]
+        else:
+            x = self.receive_activation(m)
+        out = x
+        for layer in self.layers:
+            out = layer(out)
+        if self.last:
+            out = self.loss(out, m)
+        else:
+            self.send_activation(out, m)
+        if torch.is_grad_enabled():
+            self.saved[m] = (x, out)  # STRATEGY: kept until this micro-batch's backward
+
+    def backward_step(self, m):
+        x, out = self.saved.pop(m)
+        if self.last:
+            self.exchange()
+            grad = None  # out is this micro-batch's share of the loss
+        else:
+            grad = self.receive(torch.empty_like(out), self.rank_of(self.stage + 1))  # STRATEGY: d loss / d out
+        if m == self.microbatches - 1:
+            self.syncing = self.require_grad_sync  # the grads are final in this backward
+        if out.requires_grad:  # not where a first stage is all frozen
+            torch.autograd.backward(out, grad)
+        if not self.first:
+            self.outbox.append((x.grad, self.rank_of(self.stage - 1)))  # STRATEGY: d loss / d x, back
+
+    def loss(self, out, m):
+        """The last stage: this micro-batch's loss, kept for the step's mean;
+        its backward starts from loss / M, so the grads are the whole batch's."""
+        if self.loss_scaler is not None and torch.is_grad_enabled():
+            out = ScaleGrad.apply(out, self.loss_scaler)  # fp16: grads scaled from where they enter the model
+        loss = self.loss_fn(out, self.targets[m])
+        self.losses.append(loss.detach())
+        return loss / self.microbatches
+
+    def mean_loss(self):
+        """The mean of the micro-batch losses over the replicas too: one
+        all_reduce (the last stages hold them), on every rank."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.losses:
+            total += torch.stack(self.losses).float().sum() / (self.microbatches * self.replicas)
+        comm.all_reduce(total)
+        return total.item()
+
+    # ------------------------------------------------------------ point to point
+
+    def send_activation(self, out, m):
+        """Queued, to go with the next action's receive. Before the first,
+        a header: what the next stage must make room for."""
+        if not isinstance(out, torch.Tensor) or out.dtype not in ACTIVATION_DTYPES or out.dim() > HEADER - 2:
+            raise TypeError(f"stage {self.stage} outputs {type(out).__name__} {getattr(out, 'dtype', '')}: a stage "
+                            f"sends one floating-point tensor of at most {HEADER - 2} dims to the next")
+        if m == 0:
+            header = [ACTIVATION_DTYPES.index(out.dtype), out.dim(), *out.shape]
+            self.outbox.append((torch.tensor(header + [0] * (HEADER - len(header)), device=self.device),
+                                self.rank_of(self.stage + 1)))
+        self.outbox.append((out.detach(), self.rank_of(self.stage + 1)))  # STRATEGY: the activation, forward
+
+    def receive_activation(self, m):
+        if m == 0:
+            header = self.receive(torch.empty(HEADER, dtype=torch.int64, device=self.device),
+                                  self.rank_of(self.stage - 1)).tolist()
+            self.input_shape, self.input_dtype = header[2:2 + header[1]], ACTIVATION_DTYPES[header[0]]
+        x = torch.empty(self.input_shape, dtype=self.input_dtype, device=self.device)
+        self.receive(x, self.rank_of(self.stage - 1))  # STRATEGY: the previous stage's output
+        return x.requires_grad_(torch.is_grad_enabled())
+
+    def receive(self, tensor, src):
+        """Receive `tensor` from rank src, posted with what the last action made."""
+        self.exchange([(tensor, src)])
+        return tensor
+
+    def exchange(self, recvs=()):
+        """Post the sends queued by the last action with this action's
+        receives (one NCCL group: see comm.exchange), and wait for the
+        receives. The sends of the action before are waited for first: their
+        receivers have posted the receives by now, so at most one action's
+        sent tensors are held."""
+        for pending in self.sending:
+            pending.wait()
+        self.sending, received = comm.exchange(self.outbox, recvs)  # STRATEGY: to and from the neighbours
+        self.outbox = []
+        for pending in received:
+            pending.wait()
+
+    # ------------------------------------------------------------ grads
+
+    def backward_started(self):
+        """Nothing per micro-batch: the stages run different layers at
+        different times, so they agree once per step, in micro_batches()."""
+
+    @torch.no_grad()
+    def all_reduce(self, bucket):
+        """The replicas' average of a bucket, as torch DDP takes it: divided by R, then summed. Grads
+        averaged before (no zero_grad) are the same on every replica: they stay."""
+        if self.replicas > 1:
+            bucket.grads.div_(self.replicas)
+            bucket.handle = comm.all_reduce(bucket.grads, async_op=True, group=self.replica_group)  # STRATEGY
+
+    @torch.no_grad()
+    def reduce_grads(self):
+        for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
+            self.all_reduce(bucket)
+        self.buckets.wait()  # STRATEGY: the replicas' averages, at the end of the step
+        self.send_tied_grads()
+
+    @torch.no_grad()
+    def send_tied_grads(self):
+        """A tied parameter's grad, summed on its owner: each other stage
+        that holds it sends its own (averaged over replicas) and drops it."""
+        for p in self.tied:
+            if not p.requires_grad:
+                continue
+            grad = self.buckets.of[p].view(self.flat_grads, p)
+            if self.owns(p):
+                for stage in self.holders[p][1:]:
+                    theirs = torch.empty_like(grad)
+                    comm.recv(theirs, self.rank_of(stage))  # STRATEGY: another stage's part of the grad
+                    grad += theirs
+            else:
+                comm.send(grad, self.rank_of(self.holders[p][0]))  # STRATEGY: to the owner, which steps it
+                grad.zero_()
+                self.buckets.got_grad.discard(p)  # p.grad stays None here: the grad is the owner's
+
+    def clear_grads(self, set_to_none):
+        pass  # the buckets are views of flat_grads, which Buckets.clear zeroes
+
+    def grad_attr(self, param):
+        if param.dtype == self.reduce_dtype:
+            return self.buckets.of[param].view(self.flat_grads, param)  # held whole, as under DDP
+        return self.sharded_grad(param)
+
+    def local_square_sum(self):
+        """Each stage's grads once: the first replica's (the others hold the same)."""
+        square_sum = super().local_square_sum()
+        return square_sum if self.replica == 0 else square_sum.zero_()
+
+    # ------------------------------------------------------------ parameters
+
+    def pieces(self):
+        """The parameters this stage owns; every replica of the stage holds the
+        same (a copy of a tied parameter is not listed: its owner saves it)."""
+        shard = self.shards[0]
+        stepped = [piece._replace(replicated=True) for bucket in self.own_buckets
+                   for piece in self.bucket_pieces(bucket, 0, bucket.numel, shard, bucket.start)]
+        return stepped + self.whole_pieces([p for p in self.frozen if self.owns(p)])
+
+    @torch.no_grad()
+    def gather_full(self):
+        """The parameters of each stage, from its first replica to every rank: one broadcast per stage."""
+        mine = {piece.name: piece for piece in self.all_pieces()}
+        full = {}
+        for stage in range(self.stages):
+            names = [name for name, p in self.named_params if self.holders[p][0] == stage]
+            sizes = [self.shapes[name].numel() for name in names]
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
+            if stage == self.stage:
+                torch.cat([mine[n].tensor[mine[n].offset:mine[n].offset + mine[n].hi].float() for n in names],
+                          out=flat)
+            comm.broadcast(flat, src=self.rank_of(stage, replica=0))
+            for name, value in zip(names, flat.split(sizes)):
+                full[self.module.get_parameter(name)] = value.view(self.shapes[name]).cpu()
+        return full
+
+    @torch.no_grad()
+    def sync_params(self):
+        self.send_tied([p for p in self.tied if p.requires_grad])  # what the step changed
+
+    @torch.no_grad()
+    def load_pieces(self, read, names=None):
+        super().load_pieces(read, names)  # then sync_params()
+        self.send_tied([p for p in self.tied if not p.requires_grad])  # a load changes frozen ones too
+
+    def send_tied(self, params):
+        """The owner's values of tied parameters, to the other stages that hold them."""
+        for p in params:
+            if self.owns(p):
+                for stage in self.holders[p][1:]:
+                    comm.send(p.data, self.rank_of(stage))  # STRATEGY: the new value, to each copy
+            else:
+                comm.recv(p.data, self.rank_of(self.holders[p][0]))  # STRATEGY
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a Pipeline runs forward and backward together, micro-batch by micro-batch: "
+                           "call pipe.train_step(x, y) or pipe.eval_step(x, y)")
+
+
+def stage_sizes(seq, loss_fn, microbatches, schedule, stages, balance, world):
+    """The number of children in each stage, or a clear error."""
+    if not isinstance(seq, nn.Sequential):
+        raise TypeError(f"Pipeline cuts an nn.Sequential into stages, got {type(seq).__name__}: write the model "
+                        "as nn.Sequential(...), each child taking the previous one's output (as example/model.py's "
+                        "GPTSequential does)")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function loss_fn(output, target), got {type(loss_fn).__name__}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    if not isinstance(stages, int) or stages < 1 or world % stages:
+        raise ValueError(f"stages={stages!r} does not divide the world of {world} ranks (W = stages × replicas)")
+    if len(seq) < stages:
+        raise ValueError(f"the nn.Sequential has {len(seq)} children, fewer than stages={stages}: "
+                         "each stage runs one at least")
+    if balance is None:
+        return balanced([sum(p.numel() for p in child.parameters()) for child in seq], stages)
+    if len(balance) != stages or sum(balance) != len(seq) or min(balance) < 1:
+        raise ValueError(f"balance={list(balance)} must give each of the {stages} stages one child or more, "
+                         f"{len(seq)} in all")
+    return list(balance)
+
+
+def balanced(sizes, stages):
+    """Cut the children (sizes: their parameter counts) into `stages` runs of
+    one or more, the largest run as small as can be; returns the run lengths."""
+    prefix = [0, *accumulate(sizes)]
+
+    @cache
+    def best(k, end):  # (largest run, run lengths) for the first `end` children in k runs
+        if k == 1:
+            return prefix[end], (end,)
+        return min((max(best(k - 1, cut)[0], prefix[end] - prefix[cut]), best(k - 1, cut)[1] + (end - cut,))
+                   for cut in range(k - 1, end))
+
+    return list(best(stages, len(sizes))[1])
+
+
+def crc(value):
+    """An integer that names `value` (for comm.agree)."""
+    return zlib.crc32(repr(value).encode())
