@@ -28,7 +28,6 @@ from fnmatch import fnmatchcase
 from math import prod
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
@@ -212,10 +211,10 @@ def process_groups(tp_size, replicas):
     """This rank's tensor group (consecutive ranks) and replica group (the
     ranks that hold the same slices: every T-th). Collective: every rank
     makes every group, in the same order."""
-    tensor_group, _ = dist.new_subgroups_by_enumeration(
-        [list(range(r * tp_size, (r + 1) * tp_size)) for r in range(replicas)])
-    replica_group, _ = dist.new_subgroups_by_enumeration(
-        [list(range(k, tp_size * replicas, tp_size)) for k in range(tp_size)])
+    tensor_groups = [comm.new_group(range(r * tp_size, (r + 1) * tp_size)) for r in range(replicas)]
+    replica_groups = [comm.new_group(range(k, tp_size * replicas, tp_size)) for k in range(tp_size)]
+    tensor_group = next(g for g in tensor_groups if g is not None)  # new_group: None where this rank is not in it
+    replica_group = next(g for g in replica_groups if g is not None)
     return tensor_group, replica_group
 
 
