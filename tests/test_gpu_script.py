@@ -48,3 +48,18 @@ def test_gpu_script_on_cpu():
     assert "torch.autocast(bfloat16), torch.optim.AdamW(fused=True)" in out
     assert "6·N·tokens + 12·layers·width·seq_len·tokens" in out and "989 TFLOP/s" in out
     assert "gpt2-large: 17.35 GB" in out
+
+
+def test_layers_script_compares_the_same_training():
+    """example/benchmark/layers.py: both sides train the same model on the same
+    batch (equal losses), torch is its own baseline, every time measured."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "example/benchmark/layers.py", "--model", "tiny", "--batch-size", "2",
+                             "--seq-len", "16", "--steps", "2", "--warmup", "1", "--repeat", "2"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r[0]: r for r in table_rows(result.stdout, "torch|tiny_zero")}
+    assert list(rows) == ["torch", "tiny_zero"]
+    assert rows["torch"][2] == rows["torch"][4] == "1.000"
+    assert all(float(rows[side][3]) > 0 for side in rows)
+    assert abs(float(rows["torch"][5]) - float(rows["tiny_zero"][5])) < 1e-4 * float(rows["torch"][5])
