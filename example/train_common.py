@@ -23,6 +23,8 @@ takes its own rows of one global batch (see example/data.py), so N ranks with
 parallelism the ranks of one replica share its rows).
 """
 import argparse
+import atexit
+import gc
 import math
 import os
 import sys
@@ -198,7 +200,9 @@ class Run:
         if self.memory is not None:
             self.memory.__exit__(*exc)
         if dist.is_initialized():
-            dist.destroy_process_group()  # a clean exit: gloo can abort in its destructor at interpreter exit
+            comm.destroy_process_group()
+            atexit.register(gc.collect)  # what the script left in reference cycles (handles of collectives among
+            # them) goes while the interpreter is whole: gloo can abort the process when one goes in its teardown
 
     def steps(self, model, opt, sched):
         """The steps to run, with a progress bar on rank 0 (the model and
@@ -327,7 +331,8 @@ class Run:
             if args.steps > self.first:
                 tokens = args.batch_size * args.seq_len * self.replicas * (args.steps - self.first)
                 print(f"trained {args.steps - self.first} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s)")
-            print(f"val loss {val_loss:.6f}")
+            if args.eval_batches:
+                print(f"val loss {val_loss:.6f}")
             print(f"peak memory {peak / 2**20:.2f} MiB per rank (the most on any rank; {self.peak_memory_kind()})")
         self.accounting.report()
         if self.recorded and rank == 0:

@@ -197,6 +197,14 @@ def new_group(ranks):
     return group
 
 
+def destroy_process_group():
+    """dist.destroy_process_group(), and the side groups held here with it:
+    kept in this module, they would outlive it into the interpreter's
+    teardown."""
+    _side_groups.clear()
+    dist.destroy_process_group()
+
+
 def _has_peers():
     """More than one rank, and real ones (torch's fake process group, which
     simulates a large world in one process, has none to agree with)."""

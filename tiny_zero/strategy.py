@@ -134,7 +134,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.in_backward = False
         self.used = 0  # hash of the layers used in forward since the last backward
         self.averaged = set()  # data_ptr()s of the parts of model.grads that hold an average this step
-        self.nothing = torch.zeros((), dtype=self.param_dtype, device=self.device)  # see released()
+        self.nothing = None  # the shared zero of released(), made at its first use
         self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
         self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
 
@@ -182,6 +182,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
         shape over a single shared zero, so p.shape and p.dim() stay true (for
         param groups built after wrapping) and nothing is allocated; writing
         into it fails."""
+        if self.nothing is None:
+            self.nothing = torch.zeros((), dtype=self.param_dtype, device=self.device)
         return self.nothing.expand(self.shapes[self.name_of[param]])
 
     def fp32_shards(self, tensors):
