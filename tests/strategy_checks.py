@@ -54,22 +54,33 @@ def gpt_tiny():
 
 def nothing_stays_gathered(name):
     """zero3: non-owners hold no full parameter after forward or backward.
-    fsdp: the same for every rank, and at most two layers' units (the one
-    computing and the one prefetched) are ever gathered at once."""
+    fsdp: the same for every rank, at most two layers' units (the one
+    computing and the one prefetched) are ever gathered at once, and the
+    averaged grads of a unit exist only from its reduce-scatter on: after
+    each, model.grads holds the units sent so far, no more."""
     torch.manual_seed(0)
     model = wrap(name, gpt_tiny())
     opt = tiny_zero.STRATEGIES[name][1](model, lr=1e-3)
     x, y = global_batch_tokens()
     most = {"layers": 0}
+    problems = []
 
     if name == "fsdp":  # after each unshard: the layer about to compute, and any started ahead
-        unshard = model.unshard
+        unshard, reduce_scatter = model.unshard, model.reduce_scatter
+        sent = []
 
         def counted_unshard(layer, **kwargs):
             unshard(layer, **kwargs)
             most["layers"] = max(most["layers"], 1 + len(model.in_flight))
-        model.unshard = counted_unshard
-    problems = []
+
+        def grads_follow_the_units(unit):
+            sent.append(unit)
+            reduce_scatter(unit)
+            held = sum(g.numel() for g in model.grads.values())
+            if held != sum(model.slices[u].numel() for u in set(sent)):
+                problems.append(f"after {len(sent)} reduce-scatters model.grads holds {held} elements")
+        model.unshard, model.reduce_scatter = counted_unshard, grads_follow_the_units
+        model.clear_grads = lambda set_to_none, clear=model.clear_grads: (clear(set_to_none), sent.clear())
     for step in range(3):
         loss = model(x, y)
         problems += held_full(model, name, f"step {step} after forward")

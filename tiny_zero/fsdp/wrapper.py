@@ -3,10 +3,10 @@
 A rank holds: for each unit (a transformer block by default; `units=` picks
 module classes or names; a layer outside them is a unit of its own), a 1/N
 slice of its parameters, flattened and padded (trainable and frozen ones
-apart), all its trainable slices in one flat buffer (local) with their
-averaged grads (from the first reduce-scatter of a step to zero_grad) and
-optimizer state; full parameters only while a unit's layers run, and the next
-unit's, gathered ahead.
+apart), all its trainable slices in one flat buffer (local), each slice's
+averaged grads (from the unit's reduce-scatter to zero_grad) and optimizer
+state; full parameters only while a unit's layers run, and the next unit's,
+gathered ahead.
 Collectives: all_gather of a unit before its first layer's forward and again
 before its last layer's backward, the next unit's started ahead (unshard);
 reduce_scatter of each unit's grads during backward, once they are final.
@@ -35,7 +35,8 @@ class FSDP(Wrapper):
         self.local = self.keep_slices(trainable)  # STRATEGY: 1/N of every tensor
         self.frozen_local = self.keep_slices([u for u in units if not u.params[0].requires_grad])
         self.buckets = Buckets(trainable[::-1], self.reduce_dtype, self.device)  # the last layer's grads first
-        self.shards = self.fp32_shards([self.local]) if self.local.numel() else []
+        self.shards = self.fp32_shards([self.slices[u] for u in trainable])  # one per unit: each has its own grads
+        self.shard_of = dict(zip(trainable, self.shards))
         self.order = GatherOrder(self.units_of)
         self.gathered = {}  # unit -> (its full flat buffer, the all-gather) while its layers use it
         self.sending = []  # (unit, reduce-scatter, its averaged grads, the sum) in flight
@@ -109,13 +110,20 @@ class FSDP(Wrapper):
     @torch.no_grad()
     def reduce_scatter(self, unit):
         """Send a unit whose grads are final; then finish the one sent before it."""
-        start = self.slice_start[unit]
-        dest = self.shard_grads()[start:start + self.slices[unit].numel()]
+        dest = self.unit_grads(unit)
         out = self.reduce_target(dest)
         handle = comm.reduce_scatter(out, unit.grads, async_op=True)  # STRATEGY: each rank gets its slice's sum
         self.sending.append((unit, handle, dest, out))
         if len(self.sending) > 1:
             self.finish(*self.sending.pop(0))
+
+    def unit_grads(self, unit):
+        """The averaged grads of this rank's slice of a unit: made at the unit's
+        first reduce-scatter of a step, freed by zero_grad (drop_grads)."""
+        shard = self.shard_of[unit]
+        if shard not in self.grads:
+            self.grads[shard] = torch.zeros_like(shard, dtype=self.reduce_dtype)
+        return self.grads[shard]
 
     def finish(self, unit, handle, dest, out):
         handle.wait()
@@ -137,22 +145,22 @@ class FSDP(Wrapper):
 
     def pieces(self):
         pieces = []
-        for unit, local in self.unit_slices():
+        for unit, tensor, start in self.unit_slices():
             size = self.slices[unit].numel()
-            pieces += self.bucket_pieces(unit, self.rank * size, size, local, self.slice_start[unit])
+            pieces += self.bucket_pieces(unit, self.rank * size, size, tensor, start)
         return pieces
 
     def unit_slices(self):
-        """(unit, the flat buffer its slice is in: the fp32 shard or the frozen ones), in layout order."""
-        return [(u, self.shards[0] if u in self.buckets.of.values() else self.frozen_local)
+        """(unit, the tensor its slice is in, where in it the slice starts), in
+        layout order: a trainable unit's fp32 shard, or the frozen slices' buffer."""
+        return [(u, self.shard_of[u], 0) if u in self.shard_of else (u, self.frozen_local, self.slice_start[u])
                 for u in sorted(self.slices, key=lambda u: u.index)]
 
     @torch.no_grad()
     def gather_full(self):
         full = {}
-        for unit, local in self.unit_slices():
-            start = self.slice_start[unit]
-            full.update(self.gather_bucket(unit, local[start:start + self.slices[unit].numel()].float()))
+        for unit, tensor, start in self.unit_slices():
+            full.update(self.gather_bucket(unit, tensor[start:start + self.slices[unit].numel()].float()))
         return full
 
     def sync_params(self):
