@@ -74,7 +74,7 @@ class CallbackLayer:
 
     def autograd_params(self):
         """Tensors that make the output require grad (strategies may swap in shards)."""
-        return [p for p in self.parameters(recurse=False) if p.requires_grad]
+        return [p for p in self._parameters.values() if p is not None and p.requires_grad]
 
     def accumulate_grad(self, param, grad):
         """Default sink: add into param.grad, as autograd would. Called only
