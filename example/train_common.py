@@ -44,6 +44,10 @@ from tiny_zero.measure.memory import TensorMemory
 from tiny_zero.pipeline import Pipeline
 from tiny_zero.tensor import TensorParallel
 
+# what a script leaves in reference cycles (handles of collectives among them) goes
+# while the interpreter is whole: gloo can abort the process when one goes in its teardown
+atexit.register(gc.collect)
+
 MAX_GRAD_NORM = 1.0
 OTHER_WRAPPERS = {"pipeline": Pipeline, "tensor": TensorParallel}  # not in tiny_zero.STRATEGIES
 TRACED_STEP = 2  # --trace records the third step: the first two warm up (optimizer state, the layer order)
@@ -200,9 +204,7 @@ class Run:
         if self.memory is not None:
             self.memory.__exit__(*exc)
         if dist.is_initialized():
-            comm.destroy_process_group()
-            atexit.register(gc.collect)  # what the script left in reference cycles (handles of collectives among
-            # them) goes while the interpreter is whole: gloo can abort the process when one goes in its teardown
+            dist.destroy_process_group()
 
     def steps(self, model, opt, sched):
         """The steps to run, with a progress bar on rank 0 (the model and

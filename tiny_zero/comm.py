@@ -24,6 +24,7 @@ GatherOrder, gather_units: zero3's and fsdp's units (a block, by default),
     and the order in which layers run, recorded on the first step: which
     unit comes next, to gather it ahead, and which the next layer still uses.
 """
+import weakref
 from collections import defaultdict
 from datetime import timedelta
 
@@ -173,7 +174,10 @@ def all_gather_object(obj):
 
 # ---------------------------------------------------------------- agreement
 
-_side_groups = {}
+# process group -> its side group; weak, so that both go when torch lets go of
+# the group (dist.destroy_process_group): held here they would outlive it into
+# the interpreter's teardown, where gloo can abort the process
+_side_groups = weakref.WeakKeyDictionary()
 
 
 def open_side_channel():
@@ -195,14 +199,6 @@ def new_group(ranks):
         return None
     _side_groups[group] = side
     return group
-
-
-def destroy_process_group():
-    """dist.destroy_process_group(), and the side groups held here with it:
-    kept in this module, they would outlive it into the interpreter's
-    teardown."""
-    _side_groups.clear()
-    dist.destroy_process_group()
 
 
 def _has_peers():
@@ -384,11 +380,12 @@ class Buckets:
         return fresh
 
     def wait(self):
-        """Wait for every bucket's collective in flight."""
-        for b in self.list:
-            if b.handle is not None:
-                b.handle.wait()
-                b.handle = None
+        """Wait for every bucket's collective in flight; returns those buckets."""
+        done = [b for b in self.list if b.handle is not None]
+        for b in done:
+            b.handle.wait()
+            b.handle = None
+        return done
 
     def end_backward(self):
         """A backward pass is over: the next one counts uses afresh."""

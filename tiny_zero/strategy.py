@@ -269,8 +269,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
         (zero3 and fsdp extend it)."""
 
     def shard_grads(self):
-        """model.grads of a strategy with one shard (zero3, fsdp): made at a
-        step's first reduce, and freed by zero_grad (drop_grads)."""
+        """model.grads of a strategy with one shard (zero3): made at a step's
+        first reduce, and freed by zero_grad (drop_grads)."""
         if not self.grads:
             self.grads = {self.shards[0]: torch.zeros_like(self.shards[0], dtype=self.reduce_dtype)}
         return self.grads[self.shards[0]]
@@ -283,10 +283,18 @@ class Wrapper(WrapperStateDicts, nn.Module):
             for g in self.grads.values():
                 g.zero_()
 
+    def chunk_pieces(self):
+        """pieces() where every rank holds the N-th chunk of each bucket as
+        model.shards[bucket.index] (zero1, zero2, offload), and frozen
+        parameters whole."""
+        chunks = [piece for bucket, shard in zip(self.buckets, self.shards)
+                  for piece in self.bucket_pieces(bucket, self.rank * shard.numel(), shard.numel(), shard)]
+        return chunks + self.whole_pieces(self.frozen)
+
     def gather_chunks(self):
         """{parameter: full fp32 value on the CPU} where every rank holds the
-        N-th chunk of each bucket as model.shards[bucket.index] (zero1, zero2),
-        and frozen parameters whole."""
+        N-th chunk of each bucket as model.shards[bucket.index] (zero1, zero2,
+        offload), and frozen parameters whole."""
         full = {p: p.detach().float().cpu().clone() for p in self.frozen}
         for bucket, shard in zip(self.buckets, self.shards):
             full.update(self.gather_bucket(bucket, shard))  # the fp32 masters, not the low-precision copy

@@ -152,7 +152,7 @@ def main():
             (on_min, on_med), (off_min, off_med) = summary(on), summary(off)
             print(f"| {name} | {count} | {on_min * 1e3:.1f} ms, {on_med * 1e3:.1f} ms | "
                   f"{off_min * 1e3:.1f} ms, {off_med * 1e3:.1f} ms | {on_min / off_min:.3f}, {on_med / off_med:.3f} |")
-    comm.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def summary(times):

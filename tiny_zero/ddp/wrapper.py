@@ -38,12 +38,9 @@ class DDP(Wrapper):
     def reduce_grads(self):
         for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
             self.all_reduce(bucket)
-        for bucket in self.buckets:
-            if bucket.handle is not None:
-                bucket.handle.wait()  # STRATEGY: the only wait, at the end of backward
-                bucket.handle = None
-                # sum -> mean; grads averaged before (no zero_grad) were the same on every rank: they stay
-                bucket.grads.div_(self.world_size)
+        for bucket in self.buckets.wait():  # STRATEGY: the only wait, at the end of backward
+            # sum -> mean; grads averaged before (no zero_grad) were the same on every rank: they stay
+            bucket.grads.div_(self.world_size)
 
     def clear_grads(self, set_to_none):
         pass  # the buckets are views of flat_grads, which Buckets.clear zeroes

@@ -108,8 +108,7 @@ class ZeroOffload(Wrapper):
     # ------------------------------------------------------------ after the step: parameters to the device
 
     def pieces(self):
-        return [piece for bucket, shard in zip(self.buckets, self.shards)
-                for piece in self.bucket_pieces(bucket, self.rank * shard.numel(), shard.numel(), shard)] + self.whole_pieces(self.frozen)
+        return self.chunk_pieces()
 
     def gather_full(self):
         return self.gather_chunks()
@@ -121,9 +120,7 @@ class ZeroOffload(Wrapper):
             self.to_device(chunk, self.working.get(shard, shard))  # STRATEGY: the updated chunk, in the parameter dtype
             bucket.handle = comm.all_gather(bucket.range(self.flat_params), chunk, async_op=True)  # STRATEGY
         self.wait_for_copies()  # the host's buffers are free again when this returns
-        for bucket in self.buckets:
-            bucket.handle.wait()  # STRATEGY: every rank's updated chunks, before the next forward
-            bucket.handle = None
+        self.buckets.wait()  # STRATEGY: every rank's updated chunks, before the next forward
 
     # ------------------------------------------------------------ the host
 

@@ -122,11 +122,8 @@ class TensorParallel(Wrapper):
     def reduce_grads(self):
         for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
             self.all_reduce(bucket)
-        for bucket in self.buckets:
-            if bucket.handle is not None:
-                bucket.handle.wait()  # STRATEGY: the only wait, at the end of backward
-                bucket.handle = None
-                bucket.grads.div_(self.replicas)  # sum -> mean; grads averaged before were the same on every replica
+        for bucket in self.buckets.wait():  # STRATEGY: the only wait, at the end of backward
+            bucket.grads.div_(self.replicas)  # sum -> mean; grads averaged before were the same on every replica
 
     def clear_grads(self, set_to_none):
         pass  # the buckets are views of flat_grads, which Buckets.clear zeroes

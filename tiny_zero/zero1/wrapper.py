@@ -58,8 +58,7 @@ class Zero1(Wrapper):
         return self.sharded_grad(param)
 
     def pieces(self):
-        return [piece for bucket, shard in zip(self.buckets, self.shards)
-                for piece in self.bucket_pieces(bucket, self.rank * shard.numel(), shard.numel(), shard)] + self.whole_pieces(self.frozen)
+        return self.chunk_pieces()
 
     def gather_full(self):
         return self.gather_chunks()
@@ -69,6 +68,4 @@ class Zero1(Wrapper):
         for bucket in self.buckets:
             chunk = bucket.chunk(self.flat_params, self.rank, self.world_size)
             bucket.handle = comm.all_gather(bucket.range(self.flat_params), chunk, async_op=True)  # STRATEGY
-        for bucket in self.buckets:
-            bucket.handle.wait()  # STRATEGY: every rank's updated chunks, before the next forward
-            bucket.handle = None
+        self.buckets.wait()  # STRATEGY: every rank's updated chunks, before the next forward
