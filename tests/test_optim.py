@@ -57,6 +57,31 @@ def test_torch_path_matches_torch_adamw():
     assert_tracks_torch_adamw("torch", "cpu")
 
 
+
+def test_cpu_fp32_params_stepped_together_equal_torch_bitwise():
+    """On the CPU, AdamW steps a group's fp32 parameters at once with multi-tensor ops: bitwise
+    torch.optim.AdamW, each parameter with its own step count (one skips steps: grad None), next
+    to a bf16 parameter stepped alone in the same group."""
+    ours, ref = make_params(3), make_params(3)
+    start = torch.randn(6, generator=torch.Generator().manual_seed(4)).bfloat16()
+    low, low_ref = start.clone().requires_grad_(), start.clone().requires_grad_()
+    opt = AdamW(two_groups(ours) + [{"params": [low]}], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.05)
+    ref_opt = torch.optim.AdamW(two_groups(ref) + [{"params": [low_ref]}], lr=1e-2, betas=(0.9, 0.99),
+                                weight_decay=0.05)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        set_grads([ours + [low], ref + [low_ref]], gen)
+        if step % 2:
+            ours[1].grad = ref[1].grad = None  # this one keeps its step count
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        assert torch.equal(p, q)
+    assert opt.state[ours[1]]["step"].item() == 3 and opt.state[ours[0]]["step"].item() == 6
+    assert torch.allclose(low.float(), low_ref.float(), rtol=2 ** -6, atol=0)  # bf16: within 2 ulps (our fp32 master)
+    assert not torch.equal(low.detach(), start)  # it was stepped
+
+
 def test_triton_kernel_matches_torch_adamw_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the compiled Triton kernel is checked only on a GPU")

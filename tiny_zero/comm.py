@@ -97,6 +97,7 @@ stats = CommStats()
 
 
 def _run(kind, tensor, launch, async_op):
+    settle_agreements()  # any collective: the ranks agreed first on what they are about to run
     stats.record(kind, tensor)
     launched = recorder.stamp() if recorder is not None else None
     pending = Pending(launch(), kind, tensor)
@@ -207,10 +208,12 @@ def _has_peers():
     return dist.get_world_size() > 1 and dist.get_backend() != "fake"
 
 
-def agree(what, group=None, **values):
+def agree(what, group=None, wait=True, **values):
     """Check that every rank (of `group`, one from new_group; default: the
     world) passed the same integers (one small all-reduce on the side group);
-    raise DisagreementError, the same on every rank, if not."""
+    raise DisagreementError, the same on every rank, if not. wait=False: the
+    check is sent now and settled before this rank's next collective (or its
+    next agree that waits), so its all-reduce runs while the rank computes."""
     if not _has_peers() or (group is not None and dist.get_world_size(group) < 2):
         return
     names = list(values)
@@ -220,13 +223,27 @@ def agree(what, group=None, **values):
         everyone = torch.tensor([values[n] for n in names] + [-values[n] for n in names], dtype=torch.int64)
         side = _side_groups[dist.group.WORLD if group is None else group]
         work = dist.all_reduce(everyone, op=dist.ReduceOp.MAX, group=side, async_op=True)
-        Pending(work, f"the agreement on {what}", everyone).wait()
-    n = len(names)
-    differ = [f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {values[name]})"
-              for i, name in enumerate(names) if everyone[i] != -everyone[n + i]]
-    if differ:
-        raise DisagreementError(f"ranks disagree on {what}: {'; '.join(differ)}. Every rank must run the same "
-                                "forward, backward, no_sync() and optimizer steps")
+    _unsettled.append((Pending(work, f"the agreement on {what}", everyone), what, values, everyone))
+    if wait:
+        settle_agreements()
+
+
+_unsettled = []  # agreements sent and not yet checked: (pending, what, values, result)
+
+
+def settle_agreements():
+    """Wait for the agreements sent so far and check them, in the order sent."""
+    while _unsettled:
+        pending, what, values, everyone = _unsettled.pop(0)
+        with _disable_current_modes():
+            pending.wait()
+        n, names = len(values), list(values)
+        differ = [f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {values[name]})"
+                  for i, name in enumerate(names) if everyone[i] != -everyone[n + i]]
+        if differ:
+            _unsettled.clear()
+            raise DisagreementError(f"ranks disagree on {what}: {'; '.join(differ)}. Every rank must run the same "
+                                    "forward, backward, no_sync() and optimizer steps")
 
 
 # ---------------------------------------------------------------- buckets
@@ -342,18 +359,23 @@ class Buckets:
     def add(self, param, grad, send=True):
         """Add one grad contribution into param's bucket; return the buckets
         that may be sent now (none when `send` is False: under no_sync)."""
-        if param not in self.of:
+        bucket = self.of.get(param)
+        if bucket is None:
             raise RuntimeError("a grad came for a parameter that was frozen (requires_grad=False) when the model "
                                "was wrapped: tiny_zero reads requires_grad once, when wrapping; set it first")
-        bucket = self.of[param]
         if bucket.grads is None:
             bucket.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-        bucket.own_view(bucket.grads, param).add_(grad)
+        slot = bucket.own_view(bucket.grads, param)
+        if param in self.got_grad:
+            slot.add_(grad)
+        else:  # its place holds zeros (since clear()): a copy is the same sum, with one read less
+            slot.copy_(grad)
+            self.got_grad.add(param)
         bucket.fresh = True
-        self.got_grad.add(param)
-        if self.pending[param] > 0:
-            self.pending[param] -= 1
-            if self.pending[param] == 0:
+        left = self.pending[param]
+        if left > 0:
+            self.pending[param] = left - 1
+            if left == 1:
                 self.waiting[bucket] -= 1
         return self.ready() if send else []
 

@@ -62,6 +62,14 @@ log = logging.getLogger("tiny_zero")
 Piece = namedtuple("Piece", "name shape lo hi tensor offset replicated")
 
 
+
+def sequence_hash(numbers):
+    """One int64 that tells sequences of small integers apart (their order too)."""
+    h = 0
+    for n in numbers:
+        h = (h * 31 + n + 1) % (1 << 61)
+    return h
+
 class StrategyLayer:
     """First in every strategy layer's classes (see layer_classes): what every
     strategy does around a layer, before its mixin. A forward that a backward
@@ -118,6 +126,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         for index, (path, layer) in enumerate(layers):
             layer.__dict__["wrapper"] = self  # a plain attribute, not a submodule
             layer.path, layer.index = path, index
+            layer.trained = [p for p in layer.parameters(recurse=False) if p.requires_grad]  # read once, as below
         self.module = module
         self.named_params = list(module.named_parameters())  # tied parameters appear once
         self.name_of = {p: name for name, p in self.named_params}
@@ -132,7 +141,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.steps = 0  # optimizer steps taken
         self.backwards = 0  # backward passes since the last step
         self.in_backward = False
-        self.used = 0  # hash of the layers used in forward since the last backward
+        self.used = []  # the layers used in forward since the last backward (their indices)
         self.averaged = set()  # data_ptr()s of the parts of model.grads that hold an average this step
         self.nothing = None  # the shared zero of released(), made at its first use
         self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
@@ -352,10 +361,10 @@ class Wrapper(WrapperStateDicts, nn.Module):
 
     def expect_grads(self, layer):
         """A layer's forward that a backward will follow."""
-        if not in_backward_pass():
+        if self.in_backward and not in_backward_pass():
             self.in_backward = False  # a backward that raised never reached backward_done
-        self.buckets.used_in_forward([p for p in layer.parameters(recurse=False) if p.requires_grad])
-        self.used = (self.used * 31 + layer.index + 1) % (1 << 61)
+        self.buckets.used_in_forward(layer.trained)
+        self.used.append(layer.index)
 
     def backward_started(self):
         """The first layer backward of a backward pass: every rank agrees it
@@ -365,9 +374,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
             return
         self.in_backward = True
         self.syncing = self.require_grad_sync
-        comm.agree("this backward pass", step=self.steps, backward=self.backwards,
-                   no_sync=int(not self.syncing), layers_used_in_forward=self.used)
-        self.used = 0
+        comm.agree("this backward pass", wait=False, step=self.steps, backward=self.backwards,  # checked before its first collective
+                   no_sync=int(not self.syncing), layers_used_in_forward=sequence_hash(self.used))
+        self.used.clear()
         self.backwards += 1
         torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)  # at the pass's end
 
@@ -438,7 +447,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             if p.grad is not self.shown_grad(p):
                 self.take_assigned_grad(name, p)
             stepping.append(p)
-        comm.agree("the optimizer step", group=self.replica_group, step=self.steps,
+        comm.agree("the optimizer step", group=self.replica_group, wait=False, step=self.steps,  # before the next collective
                    parameters=parameter_hash(self.param_names(), stepping))
         return stepping
 

@@ -18,10 +18,9 @@ are delivered by accumulate_grad, never by autograd, so a strategy decides
 where a gradient lives.
 """
 import math
-from contextlib import nullcontext
-
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from . import fused
 
@@ -45,21 +44,35 @@ class LayerFunction(torch.autograd.Function):
         ctx.num_params = len(params)
         # torch.autocast: backward runs under the autocast state of its forward
         # (as torch.amp.custom_bwd does), so both compute in the same dtypes
-        device = x.device.type
-        ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+        ctx.autocast = None
+        if torch._C._is_any_autocast_enabled():  # one cheap call when autocast is off
+            device = x.device.type
+            if torch.is_autocast_enabled(device):
+                ctx.autocast = (device, torch.get_autocast_dtype(device))
         return layer.forward_callback(ctx, x)
 
     @staticmethod
     def backward(ctx, grad_out):
-        with torch.autocast(*ctx.autocast) if ctx.autocast else nullcontext():
-            # Unpack the saved tensors first, once. Under activation checkpointing
-            # this is what recomputes the block, whose forward callbacks gather and
-            # free parameters on their own: that must end before this layer's
-            # backward_callback gathers its own.
-            ctx.saved = ctx.saved_tensors
-            grad_in = ctx.layer.backward_callback(ctx, grad_out)
-            ctx.saved = None  # free the activations now, not when the whole graph goes
+        if ctx.autocast:
+            with torch.autocast(*ctx.autocast):
+                grad_in = LayerFunction.run_backward(ctx, grad_out)
+        else:
+            grad_in = LayerFunction.run_backward(ctx, grad_out)
         return (None, grad_in) + (None,) * ctx.num_params
+
+    @staticmethod
+    def run_backward(ctx, grad_out):
+        # Unpack the saved tensors first, once. Under activation checkpointing
+        # this is what recomputes the block, whose forward callbacks gather and
+        # free parameters on their own: that must end before this layer's
+        # backward_callback gathers its own.
+        ctx.saved = ctx.saved_tensors
+        grad_in = ctx.layer.backward_callback(ctx, grad_out)
+        ctx.saved = None  # free the activations now, not when the whole graph goes
+        return grad_in
+
+
+_apply = super(torch.autograd.Function, LayerFunction).apply
 
 
 class CallbackLayer:
@@ -70,7 +83,9 @@ class CallbackLayer:
     # their callbacks hold Python state (buckets, gathers) that a graph cannot
     @torch.compiler.disable
     def forward(self, x):
-        return LayerFunction.apply(self, x, *self.autograd_params())
+        if torch._C._are_functorch_transforms_active():
+            return LayerFunction.apply(self, x, *self.autograd_params())
+        return _apply(self, x, *self.autograd_params())
 
     def autograd_params(self):
         """Tensors that make the output require grad (strategies may swap in shards)."""
@@ -79,7 +94,8 @@ class CallbackLayer:
     def accumulate_grad(self, param, grad):
         """Default sink: add into param.grad, as autograd would. Called only
         for parameters that require grad (a frozen one's grad is never computed)."""
-        grad = grad.to(param.dtype)
+        if grad.dtype != param.dtype:
+            grad = grad.to(param.dtype)
         if param.grad is None:
             param.grad = grad.contiguous()
         else:
@@ -94,20 +110,17 @@ def _rows(t, width):
 class Linear(CallbackLayer, nn.Linear):
     def forward_callback(self, ctx, x):
         ctx.save_for_backward(x)  # the weight is read again in backward, never saved
-        if self.bias is None:
-            return x @ self.weight.t()  # y = x Wᵀ
-        rows = _rows(x, self.in_features)
-        y = torch.addmm(self.bias, rows, self.weight.t())  # y = b + x Wᵀ, one fused op
-        return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)  # y = x Wᵀ + b: one addmm (autograd is off in here)
 
     def backward_callback(self, ctx, grad_out):
         (x,) = ctx.saved
-        grad_x = grad_out @ self.weight if ctx.needs_input_grad[1] else None  # dx = dy W
+        weight, bias = self.weight, self.bias
+        grad_x = grad_out @ weight if ctx.needs_input_grad[1] else None  # dx = dy W
         dy = _rows(grad_out, self.out_features)
-        if self.weight.requires_grad:
-            self.accumulate_grad(self.weight, dy.t() @ _rows(x, self.in_features))  # dW = dyᵀ x
-        if trains(self.bias):
-            self.accumulate_grad(self.bias, dy.sum(0))  # db = Σ dy
+        if weight.requires_grad:
+            self.accumulate_grad(weight, dy.t() @ _rows(x, self.in_features))  # dW = dyᵀ x
+        if trains(bias):
+            self.accumulate_grad(bias, dy.sum(0))  # db = Σ dy
         return grad_x
 
 
@@ -246,7 +259,7 @@ class Embedding(CallbackLayer, nn.Embedding):
             raise NotImplementedError("tiny_zero Embedding supports padding_idx only "
                                       "(no max_norm, scale_grad_by_freq or sparse)")
         ctx.save_for_backward(idx)
-        return self.weight[idx]  # a row lookup
+        return self.weight.index_select(0, idx.reshape(-1)).view(*idx.shape, self.embedding_dim)  # a row lookup
 
     def backward_callback(self, ctx, grad_out):
         if not self.weight.requires_grad:

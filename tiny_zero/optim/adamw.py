@@ -3,7 +3,8 @@
 `adamw_update_` steps one flat fp32 tensor in place and dispatches to the fused Triton kernel
 (kernel.py, GPU), to plain torch ops (reference.py), or, asked for by name, to torch's own
 fused AdamW kernel (fused.py: the fastest on the CPU, where ZeRO-Offload steps). The ZeRO/FSDP strategies call it directly
-on their flat shards; `AdamW` calls it once per parameter.
+on their flat shards; `AdamW` calls it once per parameter, or, for fp32 parameters on the CPU,
+steps them all at once with the same math in torch's multi-tensor ops (reference.py).
 
 Triton is imported lazily, only when the Triton path actually runs, so this module works on
 machines where triton is missing or cannot compile.
@@ -15,7 +16,7 @@ import os
 import torch
 
 from .fused import fused_adamw_update_
-from .reference import torch_adamw_update_
+from .reference import torch_adamw_update_, torch_adamw_update_many_
 
 KERNELS = ("auto", "triton", "torch", "fused")
 
@@ -120,6 +121,7 @@ class AdamW(torch.optim.Optimizer):
 
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            together = []  # (param, grad, state) stepped at once with multi-tensor ops
             for p in group["params"]:
                 grad = self.grad_of(p)
                 if grad is None:
@@ -131,6 +133,9 @@ class AdamW(torch.optim.Optimizer):
                 state = self.init_state(p)
                 state["step"] += 1
 
+                if self.kernel in ("auto", "torch") and not p.is_cuda and p.dtype == torch.float32:
+                    together.append((p, grad, state))  # the CPU's plain torch path: one call per formula line
+                    continue
                 if p.dtype == torch.float32:
                     work = p if p.is_contiguous() else p.contiguous()  # a copy only for unusual layouts
                     out = None
@@ -143,6 +148,12 @@ class AdamW(torch.optim.Optimizer):
                               grad_scale=self.grad_scale, param_out=out, kernel=self.kernel)
                 if work is not p and out is None:
                     p.copy_(work)
+            if together:
+                params, grads, states = zip(*together)
+                torch_adamw_update_many_(list(params), list(grads), [s["exp_avg"] for s in states],
+                                         [s["exp_avg_sq"] for s in states], lr=float(group["lr"]), beta1=beta1,
+                                         beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                                         steps=[s["step"].item() for s in states], grad_scale=self.grad_scale)
         return loss
 
     def grad_of(self, param):

@@ -35,3 +35,26 @@ def torch_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
 
     if param_out is not None:
         param_out.copy_(param)
+
+
+def torch_adamw_update_many_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, steps,
+                             grad_scale=1.0):
+    """torch_adamw_update_ on lists of fp32 tensors (steps: each one's count), with torch's
+    multi-tensor (foreach) ops: one call per formula line for the whole list, the same
+    element-wise math, so the results are bit-identical to a loop of torch_adamw_update_."""
+    step_sizes = [-lr / (1 - beta1 ** step) for step in steps]
+    bias_correction2_sqrts = [(1 - beta2 ** step) ** 0.5 for step in steps]
+
+    g = [grad.float() for grad in grads]
+    if grad_scale != 1.0:
+        g = torch._foreach_mul(g, grad_scale)
+
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, g, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1 - beta2)
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, bias_correction2_sqrts)
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
