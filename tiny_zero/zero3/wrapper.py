@@ -6,10 +6,11 @@ communication), the trainable ones in one flat buffer (owned), with their
 averaged grads and optimizer state; every other parameter is empty except
 while the layers of its unit (a transformer block by default; `units=` picks
 module classes or names) run, and the next unit's, gathered ahead.
-Collectives: broadcast of each tensor from its owner before a unit's first
-layer runs forward and again before its last layer's backward, the next
-unit's started ahead (unshard); reduce of each per-owner grad bucket to its
-owner during backward. The owners step their own tensors: nothing is gathered
+Collectives: broadcast of a unit's tensors from each owner, all at once (one
+bucket: the owner's tensors of the unit, side by side in its flat buffer),
+before the unit's first layer runs forward and again before its last layer's
+backward, the next unit's started ahead (unshard); reduce of the same bucket's
+grads to its owner as the unit's backward ends. The owners step their own tensors: nothing is gathered
 after the step.
 """
 import torch
@@ -28,14 +29,15 @@ class Zero3(Wrapper):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         table = owner_table([(n, p.numel()) for n, p in self.named_params], self.world_size)
         self.owner = {p: table[name] for name, p in self.named_params}  # STRATEGY: whole tensors, one owner each
-        buckets = owner_buckets(self.trainable[::-1], self.owner, bucket_bytes)  # grad-ready order
+        layers = [m for m in self.module.modules() if isinstance(m, CallbackLayer)]
+        self.unit_params = unit_params(gather_units(self.module, layers, units))
+        unit_of = {p: unit for unit, params in self.unit_params.items() for p in params}
+        buckets = owner_buckets(self.trainable[::-1], self.owner, unit_of, bucket_bytes)  # grad-ready order
         self.mine = [b for b in buckets if self.owner[b.params[0]] == self.rank]
         self.owned = self.keep_owned(self.mine)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device)
         self.shards = self.fp32_shards([self.owned]) if self.owned.numel() else []
-        layers = [m for m in self.module.modules() if isinstance(m, CallbackLayer)]
-        self.unit_params = unit_params(gather_units(self.module, layers, units))
-        unit_of = {p: unit for unit, params in self.unit_params.items() for p in params}
+        self.unit_buckets = {unit: [b for b in buckets if unit_of[b.params[0]] == unit] for unit in self.unit_params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
         self.order = GatherOrder(self.units_of)
         self.gathered = {}  # unit -> its broadcasts, while its layers use it
@@ -82,16 +84,29 @@ class Zero3(Wrapper):
         if ahead is not None and ahead not in self.in_flight:
             self.in_flight[ahead] = self.broadcast(ahead)  # STRATEGY: prefetch the next unit while this one computes
         for unit in missing:
-            for p, full, handle in self.gathered[unit]:
+            for fulls, handle in self.gathered[unit]:
                 handle.wait()
-                p.data = full
+                for p, full in fulls:
+                    p.data = full
 
     def broadcast(self, unit):
+        """Start a unit's broadcasts: one per bucket (an owner's trainable
+        tensors of the unit, side by side in its flat buffer), one per frozen
+        tensor. Each entry: ([(parameter, its full value)], the broadcast)."""
         out = []
+        for bucket in self.unit_buckets[unit]:
+            owner = self.owner[bucket.params[0]]
+            if owner == self.rank:
+                flat = self.owned[self.owned_start[bucket]:self.owned_start[bucket] + bucket.numel]
+            else:
+                flat = torch.empty(bucket.numel, dtype=self.param_dtype, device=self.device)
+            fulls = [(p, bucket.own_view(flat, p)) for p in bucket.params]
+            out.append((fulls, comm.broadcast(flat, src=owner, async_op=True)))  # STRATEGY: owner -> all, at once
         for p in self.unit_params[unit]:
-            full = p.data if self.owner[p] == self.rank else torch.empty(
-                self.shapes[self.name_of[p]], dtype=p.dtype, device=self.device)
-            out.append((p, full, comm.broadcast(full, src=self.owner[p], async_op=True)))  # STRATEGY: owner -> all
+            if p not in self.buckets.of:  # frozen: kept whole by its owner, outside the flat buffer
+                full = p.data if self.owner[p] == self.rank else torch.empty(
+                    self.shapes[self.name_of[p]], dtype=p.dtype, device=self.device)
+                out.append(([(p, full)], comm.broadcast(full, src=self.owner[p], async_op=True)))  # STRATEGY
         return out
 
     def reshard(self, layer):
@@ -109,7 +124,7 @@ class Zero3(Wrapper):
     def settle(self):
         """Nothing gathered or in flight outlives a pass (stale after a step)."""
         for broadcasts in self.in_flight.values():
-            for _, _, handle in broadcasts:
+            for _, handle in broadcasts:
                 handle.wait()
         self.in_flight.clear()
         for unit in list(self.gathered):
@@ -180,14 +195,16 @@ def unit_params(groups):
     return out
 
 
-def owner_buckets(params, owner, bucket_bytes):
-    """Buckets of grads bound for one owner each, at most bucket_bytes, ordered
-    by when their last grad becomes ready."""
+def owner_buckets(params, owner, unit_of, bucket_bytes):
+    """Buckets of grads bound for one owner each, of one unit, at most
+    bucket_bytes, ordered by when their last grad becomes ready. A unit's
+    buckets are sent as its backward ends, so they hold its grads alone
+    (as FSDP2's reduce-scatter of one unit)."""
     runs, open_runs, size, last = [], {}, {}, {}
     for position, p in enumerate(params):
         rank, nbytes = owner[p], p.numel() * p.element_size()
         run = open_runs.setdefault(rank, [])
-        if run and size[rank] + nbytes > bucket_bytes:
+        if run and (size[rank] + nbytes > bucket_bytes or unit_of[run[0]] != unit_of[p]):
             runs.append((last[rank], run))  # ordered by its own last grad
             run = open_runs[rank] = []
         if not run:
