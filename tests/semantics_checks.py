@@ -336,6 +336,26 @@ def agreements_per_step(name):
     return [] if counts[1:] == [expected] * 2 else [f"{name}: agreements per step {counts}, expected {expected} after the first"]
 
 
+def step_after_only_no_sync(name):
+    """Averaged grads, no zero_grad, a backward inside no_sync() and then a
+    step: zero1 refuses (it holds neither grads averaged) with a clear error,
+    and steps once a backward outside no_sync() has run."""
+    model, opt = make_tiny(name)
+    x, y = my_rows(global_batch(0))
+    model(x, y).backward()
+    with model.no_sync():
+        model(x, y).backward()
+    try:
+        opt.step()
+        return [f"{name}: stepped with grads that a no_sync() backward left unaveraged"]
+    except RuntimeError as e:
+        if "no_sync()" not in str(e):
+            return [f"{name}: unclear error {e}"]
+    model(x, y).backward()
+    opt.step()
+    return []
+
+
 def each(check, names):
     return [f for name in names for f in globals()[check](name)]
 

@@ -135,8 +135,8 @@ def model_state_bytes(name):
         expected = 16 * share
     elif name == "offload":  # all params; on the host the grad shard, fp32 masters, exp_avg, exp_avg_sq
         expected = share * world * FLOAT_BYTES + share * FLOAT_BYTES + 12 * share
-    else:  # all params and a grad shard; zero1 also all local grads, kept through backward
-        grads = (share * world + share) * FLOAT_BYTES if name == "zero1" else share * FLOAT_BYTES
+    else:  # all params and a grad shard; zero1 all local grads instead, kept, its own chunks then averaged
+        grads = share * world * FLOAT_BYTES if name == "zero1" else share * FLOAT_BYTES
         expected = share * world * FLOAT_BYTES + grads + 8 * share
     biggest_bucket = max(b.numel for b in model.buckets) * FLOAT_BYTES
     return dict(held=held, expected=expected, state=state, share=share, numel=numel,

@@ -518,7 +518,7 @@ def held_elements(strategy, n):
         wrapper = resolve("tiny_zero.STRATEGIES")[strategy][0]
         bucket_bytes = inspect.signature(wrapper.__init__).parameters["bucket_bytes"].default
         padded = sum(b.numel for b in make_buckets(params[::-1], bucket_bytes, pad_to=n))
-        grads = padded + padded // n if strategy == "zero1" else padded // n
+        grads = padded if strategy == "zero1" else padded // n  # zero1: its averaged chunks are in the full grads
         return [(padded, grads, padded // n)] * n
     if strategy == "zero3":
         shapes = [(name, p.numel()) for name, p in named]

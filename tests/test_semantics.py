@@ -32,7 +32,8 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("fp16", "each", ("fp16_loss_backward", ALL)),
           ("autocast_compile", "each", ("autocast_and_compile", ALL)),
           ("agreements", "each", ("agreements_per_step", ALL)),
-          ("requires_grad_changed", "each", ("requires_grad_changed_after_wrapping", ALL))]
+          ("requires_grad_changed", "each", ("requires_grad_changed_after_wrapping", ALL)),
+          ("no_sync_then_step", "each", ("step_after_only_no_sync", ["zero1"]))]
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,7 @@ def model_state(module, strategy, world_size, mixed_precision=None, bucket_bytes
     elif strategy in ("zero1", "zero2", "offload"):
         buckets = make_buckets(as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=n)
         total = sum(b.numel for b in buckets)
-        grads = total + total // n if strategy == "zero1" else total // n  # zero1: full local grads + the shard
+        grads = total if strategy == "zero1" else total // n  # zero1: the full local grads (the shard's average in them)
         held = [(total, grads, total // n)] * n
     elif strategy == "zero3":
         named = [(name, param.numel()) for name, param in module.named_parameters()]

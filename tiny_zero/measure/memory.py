@@ -28,7 +28,7 @@ against what the model and optimizer hold at that moment (held_tensors()):
     optimizer_state  exp_avg, exp_avg_sq, step, and the fp32 masters under
                      mixed precision (offload: always, on the host)
     gradients        the grads the optimizer will read (model.grads, p.grad):
-                     ddp and zero1: the full flat_grads; zero1 and zero2: grad_shard;
+                     ddp and zero1: the full flat_grads; zero2: grad_shard;
                      zero3: the owned grads; fsdp: the grads of its slices;
                      offload: host_grads
     comm_buffers     what exists only to be communicated: full-grad buckets

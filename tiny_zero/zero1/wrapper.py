@@ -2,16 +2,17 @@
 
 A rank holds: every trainable parameter, in one flat buffer (flat_params),
 cut into buckets, each padded to a multiple of N and cut into N chunks; the
-full local grads through backward (flat_grads, the same layout); the averaged
-grads (grad_shard) and the optimizer state of its own chunk of every bucket,
-1/N of the whole. Frozen parameters stay whole on every rank, never sent.
+full local grads through backward (flat_grads, the same layout), whose own
+chunks then hold the averaged grads; the optimizer state of its own chunk of
+every bucket, 1/N of the whole. Frozen parameters stay whole on every rank,
+never sent.
 
     flat_params  [ bucket 0: r0 | r1 ][ bucket 1: r0 | r1 ] ...   (every rank)
     shards       rank r's chunks: what its optimizer steps
 
 Collectives: broadcast of rank 0's parameters at wrap time; at the end of the
 backward pass, one reduce_scatter per bucket (each rank receives the sum of
-its own chunk); after the optimizer step, one all_gather per bucket brings
+its own chunk, in place, into its chunk of flat_grads); after the optimizer step, one all_gather per bucket brings
 every rank's updated chunks to every rank (sync_params).
 """
 import torch
@@ -35,24 +36,47 @@ class Zero1(Wrapper):
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads)
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
         self.shards = self.fp32_shards(chunks)
-        self.grad_shard = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)
-        self.grads = {shard: self.grad_shard[b.start // n:(b.start + b.numel) // n]
-                      for shard, b in zip(self.shards, buckets)}
+        self.grads = {shard: b.chunk(self.flat_grads, self.rank, n) for shard, b in zip(self.shards, buckets)}
+        self.holds_average = False  # the chunks of self.grads hold averages (from a backward since zero_grad)
+        self.scaled = False  # ... multiplied by N, for the backward that adds into them
+
+    def backward_started(self):
+        if not self.in_backward and self.holds_average:  # averages of an earlier backward, no zero_grad since
+            for mine in self.grads.values():  # the sum over ranks then has N x them, and / N keeps them:
+                mine.mul_(self.world_size)    # (N·avg + Σ grads) / N = avg + the new average, as in ddp
+            self.holds_average, self.scaled = False, True
+        super().backward_started()
+
+    def stepping(self):
+        if self.scaled:
+            raise RuntimeError("an optimizer step after a backward inside no_sync() with no backward outside it since, "
+                               "and no zero_grad() before: zero1 keeps the grads of neither, averaged; run one backward "
+                               "outside no_sync() first")
+        return super().stepping()
 
     @torch.no_grad()
     def reduce_grads(self):
         sent = []
         for bucket in self.buckets.unsent():  # every bucket with grads, after backward
-            dest = self.grads[self.shards[bucket.index]]
-            out = self.reduce_target(dest)
-            sent.append((comm.reduce_scatter(out, bucket.grads, async_op=True), dest, out))  # STRATEGY: my chunk's sum
-        for handle, dest, out in sent:
+            mine = bucket.chunk(self.flat_grads, self.rank, self.world_size)
+            sent.append((bucket, comm.reduce_scatter(mine, bucket.grads, async_op=True)))  # STRATEGY: my chunk's sum
+        for bucket, handle in sent:
             handle.wait()
-            self.average_into(dest, out)
-        self.flat_grads.zero_()  # the local grads were sent: the next backward starts from zero
+            bucket.chunk(self.flat_grads, self.rank, self.world_size).div_(self.world_size)  # sum -> mean
+            self.zero_others(bucket)  # they were sent: the next backward starts from zero there
+        if self.scaled:  # buckets this backward gave no grad: their averages, back from N x
+            for bucket in set(self.buckets) - {bucket for bucket, _ in sent}:
+                bucket.chunk(self.flat_grads, self.rank, self.world_size).div_(self.world_size)
+        self.holds_average, self.scaled = True, False
+
+    def zero_others(self, bucket):
+        """Zero the chunks of a bucket's grads that other ranks own."""
+        grads, size = bucket.range(self.flat_grads), bucket.numel // self.world_size
+        grads[:self.rank * size].zero_()
+        grads[(self.rank + 1) * size:].zero_()
 
     def clear_grads(self, set_to_none):
-        self.grad_shard.zero_()  # flat_grads: Buckets.clear zeroes it
+        self.holds_average = self.scaled = False  # Buckets.clear zeroes flat_grads, averages included
 
     def grad_attr(self, param):
         return self.sharded_grad(param)
