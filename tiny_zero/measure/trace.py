@@ -56,6 +56,7 @@ one while it lives (else the last; a temporary never sorted counts as other).
 import gc
 import json
 import sys
+import threading
 import time
 import weakref
 from collections import defaultdict
@@ -258,11 +259,17 @@ class Recorder:
         self.points = []  # (number of changes before, {serial: category}): where the split was taken
         self.highest = self.memory.current
         self.classifying, self.next_optional = False, 0.0
+        self.lock = threading.RLock()  # a split is taken of one state: another thread's change waits for it
         self._classify()
         self.memory.listeners.append(self._changing)
 
     def _changing(self, key, delta):
-        """TensorMemory: a storage is about to be allocated (delta > 0) or freed."""
+        """TensorMemory: a storage is about to be allocated (delta > 0) or freed
+        (by this thread, or by gloo's when it lets go of a tensor)."""
+        with self.lock:
+            self._record_change(key, delta)
+
+    def _record_change(self, key, delta):
         memory = self.memory
         if memory.current > self.highest:
             self.highest = memory.current
@@ -282,11 +289,13 @@ class Recorder:
         began = time.thread_time()
         if optional and began < self.next_optional:
             return
-        point, collecting = len(self.changes), gc.isenabled()
+        collecting = gc.isenabled()
         self.classifying = True  # what it allocates itself does not classify again
         gc.disable()  # nor may the collector free storages halfway through
         try:
-            categories = self.memory.categories()[0]
+            with self.lock:
+                point = len(self.changes)
+                categories = self.memory.categories()[0]
         finally:
             self.classifying = False
             if collecting:
