@@ -35,8 +35,9 @@ def available(x, normalized_ndim, params=(), rms=False):
     reference handles the promotions of mixed dtypes); on the CPU, LayerNorm only."""
     if not ENABLED or normalized_ndim != 1 or not x.is_floating_point() or x.shape[-1] > MAX_ROW:
         return False
-    if any(p is not None and p.dtype != x.dtype for p in params):
-        return False
+    for p in params:
+        if p is not None and p.dtype != x.dtype:
+            return False
     if x.is_cuda:
         return _triton() is not None
     return not rms and x.dtype == torch.float32  # torch's CPU kernel keeps bf16 statistics for bf16 input
