@@ -258,6 +258,8 @@ class Bucket:
     of pad_to (so N ranks get equal chunks).
 
     grads   this rank's grads of these parameters, flat (None: none yet)
+    parts   {parameter: its grad}: without a flat buffer, the grads made so far,
+            each as backward made it, flattened into grads when the bucket is sent
     fresh   a grad was added since the bucket was last handed out to be sent
     handle  the strategy's collective in flight for this bucket (a Pending)
     """
@@ -272,6 +274,7 @@ class Bucket:
         self.numel = round_up(size, pad_to)
         self.start = 0  # where this bucket begins in a flat buffer of all buckets
         self.grads = None
+        self.parts = {}
         self.fresh = False
         self.handle = None  # the strategy's collective in flight for this bucket
 
@@ -330,8 +333,10 @@ class Buckets:
     rank sends the same buckets in the same order.
 
     flat: one buffer that holds every bucket's grads (ddp, zero1: they persist);
-    None: a bucket's grads buffer is made at its first grad, and the strategy
-    drops it once sent (zero2, zero3, fsdp).
+    None: a bucket's grads wait apart, as backward makes them (bucket.parts),
+    and are flattened into its grads buffer when it is sent, which the
+    strategy drops once the collective is done (zero2, zero3, fsdp, offload).
+    So a bucket costs the grads made so far, as torch's grads do, until it goes.
     """
 
     def __init__(self, buckets, dtype, device, flat=None):
@@ -363,14 +368,13 @@ class Buckets:
         if bucket is None:
             raise RuntimeError("a grad came for a parameter that was frozen (requires_grad=False) when the model "
                                "was wrapped: tiny_zero reads requires_grad once, when wrapping; set it first")
-        if bucket.grads is None:
-            bucket.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-        slot = bucket.own_view(bucket.grads, param)
-        if param in self.got_grad:
-            slot.add_(grad)
+        if self.flat is None:
+            self.keep_part(bucket, param, grad)
+        elif param in self.got_grad:
+            bucket.own_view(bucket.grads, param).add_(grad)
         else:  # its place holds zeros (since clear()): a copy is the same sum, with one read less
-            slot.copy_(grad)
-            self.got_grad.add(param)
+            bucket.own_view(bucket.grads, param).copy_(grad)
+        self.got_grad.add(param)
         bucket.fresh = True
         left = self.pending[param]
         if left > 0:
@@ -393,13 +397,30 @@ class Buckets:
         self.next = len(self.list)
         return self._to_send(rest)
 
+    def keep_part(self, bucket, param, grad):
+        part = bucket.parts.get(param)
+        if part is None:  # the grad as backward made it, no copy (a new tensor, in the bucket's dtype)
+            bucket.parts[param] = grad.to(self.dtype, memory_format=torch.contiguous_format)
+        else:
+            part.add_(grad)
+
     def _to_send(self, buckets):
         """Those with a grad since they were last sent: a bucket with none is
         skipped, alike on every rank (every rank ran the same layers)."""
         fresh = [b for b in buckets if b.fresh]
         for b in fresh:
             b.fresh = False
+            if self.flat is None:
+                self.flatten(b)
         return fresh
+
+    def flatten(self, bucket):
+        """A bucket about to be sent: its parts, into one flat buffer (zeros
+        where a parameter got no grad, and in the padding)."""
+        bucket.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+        for p, part in bucket.parts.items():
+            bucket.own_view(bucket.grads, p).copy_(part)
+        bucket.parts = {}
 
     def wait(self):
         """Wait for every bucket's collective in flight; returns those buckets."""
@@ -423,7 +444,7 @@ class Buckets:
         for b in self.list:
             b.fresh = False
             if self.flat is None:
-                b.grads = None
+                b.grads, b.parts = None, {}
         if self.flat is not None:
             self.flat.zero_()
 

@@ -426,6 +426,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             bucket = self.buckets.of[p]
             if bucket.grads is not None:
                 bucket.own_view(bucket.grads, p).zero_()
+            bucket.parts.pop(p, None)
             if set_to_none:
                 self.buckets.got_grad.discard(p)
 

@@ -294,6 +294,7 @@ def wrapper_held(model, optimizer_state):
     grads = [p.grad for _, p in model.named_params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
     buckets = model.buckets
     temporary = [b.grads for b in buckets if buckets.flat is None and b.grads is not None]
+    temporary += [part for b in buckets for part in b.parts.values()]
     gathered = list(model.in_flight.values())  # the tensors of gathers started ahead
     return {"parameters": [model.working.get(t, t) for t in stored if id(t) not in host]
             + [getattr(model, "flat_params", None), model.nothing],

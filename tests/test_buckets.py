@@ -1,0 +1,34 @@
+"""tiny_zero.comm.Buckets without a flat buffer (zero2, zero3, fsdp, offload):
+a bucket holds the grads made so far, apart, and becomes one flat buffer only
+when it is handed out to be sent."""
+import torch
+
+from tiny_zero.comm import Buckets, buckets_from_runs
+
+
+def test_a_bucket_is_flattened_when_sent_and_holds_only_what_was_made_before():
+    a, b, c = torch.zeros(3), torch.zeros(2, 2), torch.zeros(5)
+    bucket, later = buckets_from_runs([[a, b], [c]], pad_to=4)
+    buckets = Buckets([bucket, later], torch.float32, torch.device("cpu"))
+    buckets.used_in_forward([a, b, c])
+    buckets.used_in_forward([b])  # b is used twice: two grad contributions
+
+    assert buckets.add(b, torch.full((2, 2), 1.0)) == []
+    assert bucket.grads is None and set(bucket.parts) == {b}  # one part, no flat buffer yet
+    assert buckets.add(a, torch.arange(3.0)) == []  # b still has a use to come
+    assert bucket.grads is None
+    sent = buckets.add(b, torch.full((2, 2), 2.0))
+    assert sent == [bucket] and bucket.parts == {}
+    assert bucket.numel == 8  # 7 padded to 4
+    assert torch.equal(bucket.grads, torch.tensor([0.0, 1.0, 2.0, 3.0, 3.0, 3.0, 3.0, 0.0]))
+    assert later.grads is None and later.parts == {}  # c got no grad: nothing made for it
+
+
+def test_clear_drops_the_parts():
+    a, b = torch.zeros(2), torch.zeros(2)
+    (bucket,) = buckets_from_runs([[a, b]])
+    buckets = Buckets([bucket], torch.float32, torch.device("cpu"))
+    buckets.used_in_forward([a, b])
+    buckets.add(a, torch.ones(2))
+    buckets.clear()
+    assert bucket.parts == {} and bucket.grads is None and not buckets.got_grad
