@@ -62,13 +62,13 @@ log = logging.getLogger("tiny_zero")
 Piece = namedtuple("Piece", "name shape lo hi tensor offset replicated")
 
 
-
 def sequence_hash(numbers):
     """One int64 that tells sequences of small integers apart (their order too)."""
     h = 0
     for n in numbers:
         h = (h * 31 + n + 1) % (1 << 61)
     return h
+
 
 class StrategyLayer:
     """First in every strategy layer's classes (see layer_classes): what every

@@ -18,6 +18,7 @@ are delivered by accumulate_grad, never by autograd, so a strategy decides
 where a gradient lives.
 """
 import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -72,6 +73,8 @@ class LayerFunction(torch.autograd.Function):
         return grad_in
 
 
+# autograd's C++ apply, without torch.autograd.Function.apply's Python wrapper
+# (it only matters under functorch transforms; CallbackLayer.forward checks)
 _apply = super(torch.autograd.Function, LayerFunction).apply
 
 

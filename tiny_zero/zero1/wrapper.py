@@ -59,13 +59,13 @@ class Zero1(Wrapper):
         sent = []
         for bucket in self.buckets.unsent():  # every bucket with grads, after backward
             mine = bucket.chunk(self.flat_grads, self.rank, self.world_size)
-            sent.append((bucket, comm.reduce_scatter(mine, bucket.grads, async_op=True)))  # STRATEGY: my chunk's sum
-        for bucket, handle in sent:
+            sent.append((bucket, mine, comm.reduce_scatter(mine, bucket.grads, async_op=True)))  # STRATEGY: my chunk's sum
+        for bucket, mine, handle in sent:
             handle.wait()
-            bucket.chunk(self.flat_grads, self.rank, self.world_size).div_(self.world_size)  # sum -> mean
+            mine.div_(self.world_size)  # sum -> mean
             self.zero_others(bucket)  # they were sent: the next backward starts from zero there
         if self.scaled:  # buckets this backward gave no grad: their averages, back from N x
-            for bucket in set(self.buckets) - {bucket for bucket, _ in sent}:
+            for bucket in set(self.buckets) - {bucket for bucket, _, _ in sent}:
                 bucket.chunk(self.flat_grads, self.rank, self.world_size).div_(self.world_size)
         self.holds_average, self.scaled = True, False
 
