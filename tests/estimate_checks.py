@@ -45,6 +45,7 @@ def one_step(name, mixed_precision):
         del loss
         opt.step()
         sent = dict(comm.stats.elements)
+        memory.settle()  # gloo's thread may still hold a finished collective's buffer
         held = memory.breakdown()
         placement = memory.placement()
         biggest_bucket = max(b.numel for b in model.buckets) * torch.finfo(model.reduce_dtype).bits // 8

@@ -1,7 +1,5 @@
 """Worker functions for the strategy tests that are not plain parity: memory,
 communication volume, nothing left gathered, meta init, bad input."""
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -112,20 +110,6 @@ def held_full(model, name, when):
     return bad
 
 
-def settled(memory, quiet=0.05, most=2.0):
-    """memory.current once it holds still: a finished collective's buffer is
-    freed when gloo's thread lets go of it, which can come a moment after the
-    wait returned (on a loaded machine, after the step)."""
-    deadline, last, since = time.monotonic() + most, memory.current, time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.01)
-        if memory.current != last:
-            last, since = memory.current, time.monotonic()
-        elif time.monotonic() - since >= quiet:
-            break
-    return last
-
-
 def model_state_bytes(name):
     """After one step: bytes of params + grads + optimizer state held by this
     rank, against the strategy's share: zero3 16 x (elements owned); fsdp and
@@ -141,7 +125,7 @@ def model_state_bytes(name):
         del loss
         after_backward = memory.current - before_forward
         opt.step()
-        held = settled(memory)
+        held = memory.settle()  # gloo's thread may still hold a finished collective's buffer
     rank, world = dist.get_rank(), dist.get_world_size()
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.numel() > 1)

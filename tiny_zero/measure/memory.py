@@ -59,6 +59,7 @@ device type; on a machine without a GPU, where host and device are one
 memory, it says which would be which. Temporaries of the step on the host
 have no name to be known by: they count as device.
 """
+import time
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -142,6 +143,19 @@ class TensorMemory(TorchDispatchMode):
         hold. The peak restarts from now, like reset_peak()."""
         self._holders = (model, optimizer)
         self.reset_peak()
+
+    def settle(self, quiet=0.05, most=2.0):
+        """Wait (at most `most` seconds) until the count holds still for `quiet`
+        seconds: a finished collective's buffer is freed when gloo's thread
+        lets go of it, which can come a moment after its wait returned."""
+        deadline, last, since = time.monotonic() + most, self.current, time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+            if self.current != last:
+                last, since = self.current, time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                break
+        return self.current
 
     def breakdown(self):
         """{category: bytes} of the storages alive now (see the module docstring)."""
