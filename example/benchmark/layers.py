@@ -1,6 +1,6 @@
 """tiny_zero's layers and AdamW on one device, next to torch.nn and torch.optim.
 
-    python example/benchmark/layers.py --model small --repeat 5
+    python example/benchmark/layers.py --model small --repeat 15
 
 One process, fp32, the example GPT: the same weights and the same batch
 every step, trained by
@@ -13,8 +13,9 @@ every step, trained by
 a step being forward, backward, AdamW and zero_grad. The two run in turn,
 --repeat times; each run's time is the median wall-clock step over --steps
 steps after --warmup untimed ones, and the table gives each side's best run
-(other load only ever adds time), the wall-clock ratio and the CPU-time
-ratio beside it (process time, all threads), and the losses of the last step
+(other load only ever adds time), the wall-clock ratio, the ratio of the
+two sides' median runs (how far luck in the best run goes), the CPU-time
+ratio beside them (process time, all threads), and the losses of the last step
 (the two compute the same thing, so they agree to float rounding).
 """
 import argparse
@@ -42,7 +43,7 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (default: 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
-    p.add_argument("--repeat", type=int, default=5, help="runs of each side, in turn (default: 5)")
+    p.add_argument("--repeat", type=int, default=15, help="runs of each side, in turn (default: 15)")
     return p.parse_args()
 
 
@@ -82,15 +83,17 @@ def main():
         for side in runs:
             runs[side].append(timed_run(side, base, x, y, args))
     best = {side: min(found) for side, found in runs.items()}
+    middle = {side: statistics.median(w for w, _, _ in found) for side, found in runs.items()}
     cpu = {side: min(c for _, c, _ in found) for side, found in runs.items()}
     print(f"--model {args.model}, {args.batch_size} x {args.seq_len} tokens, fp32, {torch.get_num_threads()} "
           f"thread(s); best of {args.repeat} runs of {args.steps} steps each (median step)")
-    print("| side | wall ms/step (worst run) | × torch | CPU ms/step | × torch | loss, last step |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| side | wall ms/step (worst run) | × torch | median runs × torch | CPU ms/step | × torch | loss, last step |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for side, found in runs.items():
         wall, _, loss = best[side]
         worst = max(w for w, _, _ in found)
-        print(f"| {side} | {wall:.1f} ({worst:.1f}) | {wall / best['torch'][0]:.3f} | {cpu[side]:.1f} "
+        print(f"| {side} | {wall:.1f} ({worst:.1f}) | {wall / best['torch'][0]:.3f} | "
+              f"{middle[side] / middle['torch']:.3f} | {cpu[side]:.1f} "
               f"| {cpu[side] / cpu['torch']:.3f} | {loss:.6f} |")
 
 

@@ -13,9 +13,10 @@ autograd.Function:
 A strategy subclasses a layer and overrides these three methods to add
 communication: gather the weights before the math, free them after, and send
 each gradient away as soon as it is final. The parameters are passed to the
-Function only so that autograd knows the output needs a backward; their grads
-are delivered by accumulate_grad, never by autograd, so a strategy decides
-where a gradient lives.
+Function only so that autograd knows the output needs a backward, and only
+where the input does not already tell it; their grads are delivered by
+accumulate_grad, never by autograd, so a strategy decides where a gradient
+lives.
 """
 import math
 
@@ -42,7 +43,6 @@ class LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, x, *params):
         ctx.layer = layer
-        ctx.num_params = len(params)
         # torch.autocast: backward runs under the autocast state of its forward
         # (as torch.amp.custom_bwd does), so both compute in the same dtypes
         ctx.autocast = None
@@ -54,23 +54,18 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if ctx.autocast:
-            with torch.autocast(*ctx.autocast):
-                grad_in = LayerFunction.run_backward(ctx, grad_out)
-        else:
-            grad_in = LayerFunction.run_backward(ctx, grad_out)
-        return (None, grad_in) + (None,) * ctx.num_params
-
-    @staticmethod
-    def run_backward(ctx, grad_out):
         # Unpack the saved tensors first, once. Under activation checkpointing
         # this is what recomputes the block, whose forward callbacks gather and
         # free parameters on their own: that must end before this layer's
         # backward_callback gathers its own.
         ctx.saved = ctx.saved_tensors
-        grad_in = ctx.layer.backward_callback(ctx, grad_out)
+        if ctx.autocast:
+            with torch.autocast(*ctx.autocast):
+                grad_in = ctx.layer.backward_callback(ctx, grad_out)
+        else:
+            grad_in = ctx.layer.backward_callback(ctx, grad_out)
         ctx.saved = None  # free the activations now, not when the whole graph goes
-        return grad_in
+        return (None, grad_in) + (None,) * (len(ctx.needs_input_grad) - 2)  # no grad for the layer, the parameters
 
 
 # autograd's C++ apply, without torch.autograd.Function.apply's Python wrapper
@@ -86,12 +81,16 @@ class CallbackLayer:
     # their callbacks hold Python state (buckets, gathers) that a graph cannot
     @torch.compiler.disable
     def forward(self, x):
+        # the parameters only where x does not already make the output require
+        # grad (an embedding's indices, a first layer's input): each one passed
+        # is a node that autograd's engine visits in every backward, for nothing
+        params = () if x.requires_grad else self.autograd_params()
         if torch._C._are_functorch_transforms_active():
-            return LayerFunction.apply(self, x, *self.autograd_params())
-        return _apply(self, x, *self.autograd_params())
+            return LayerFunction.apply(self, x, *params)
+        return _apply(self, x, *params)
 
     def autograd_params(self):
-        """Tensors that make the output require grad (strategies may swap in shards)."""
+        """The parameters that require grad."""
         return [p for p in self._parameters.values() if p is not None and p.requires_grad]
 
     def accumulate_grad(self, param, grad):
