@@ -306,6 +306,25 @@ def test_frozen_parameters_get_no_grad():
     assert mine.fc.weight.grad is None and mine.fc.bias.grad is not None
 
 
+def test_parameters_go_to_autograd_only_where_the_input_needs_them():
+    """A layer whose input requires grad is linked in autograd's graph to that
+    input alone: a parameter would add a node that the engine visits in every
+    backward for nothing (the grads go through accumulate_grad). Where the
+    input does not require grad (indices, a first layer's input), the trained
+    parameters make the output require grad."""
+    torch.manual_seed(0)
+    emb, ln, fc = swap_layers(nn.Sequential(nn.Embedding(11, 6), nn.LayerNorm(6), nn.Linear(6, 3)))
+    h = emb(torch.randint(0, 11, (3, 4)))
+    assert [type(f).__name__ for f, _ in h.grad_fn.next_functions[1:]] == ["AccumulateGrad"]
+    for layer, y in ((ln, ln(h)), (fc, fc(h.detach().requires_grad_()))):
+        assert len(y.grad_fn.next_functions) == 1, type(layer).__name__
+    ln.bias.requires_grad_(False)
+    y = ln(torch.randn(3, 6))
+    assert y.requires_grad and len(y.grad_fn.next_functions) == 2  # x's slot (no grad) and the weight
+    y.sum().backward()
+    assert ln.weight.grad is not None and ln.bias.grad is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_follows_torch(dtype):
     """Under torch.autocast the layers compute in the dtypes torch's would, and
