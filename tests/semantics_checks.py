@@ -377,3 +377,20 @@ def requires_grad_changed_after_wrapping(name):
             if "when wrapping" not in str(e) and "was wrapped" not in str(e):
                 failures.append(f"{name}: {change} after wrapping: unclear error {str(e)[:200]}")
     return failures
+
+
+def grad_hooks_refused(name):
+    """A grad hook on a parameter (autograd would run it; tiny_zero's layers
+    deliver grads themselves) is refused by the first layer backward of a
+    pass with the way out, on every rank, before any collective of it."""
+    failures = []
+    for hook in ("register_hook", "register_post_accumulate_grad_hook"):
+        model, opt = make_tiny(name)
+        getattr(model.module.fc1.weight, hook)(lambda arg: None)
+        try:
+            run_loop(model, opt, "plain", 0, True)
+            failures.append(f"{name}: a {hook} hook went on without an error")
+        except RuntimeError as e:
+            if "fc1.weight has a grad hook" not in str(e):
+                failures.append(f"{name}: {hook}: unclear error {str(e)[:200]}")
+    return failures

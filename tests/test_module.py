@@ -325,6 +325,23 @@ def test_parameters_go_to_autograd_only_where_the_input_needs_them():
     assert ln.weight.grad is not None and ln.bias.grad is None
 
 
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_grad_hook_on_a_parameter_is_refused(hook):
+    """autograd would run a parameter's grad hook; tiny_zero's layers deliver
+    grads themselves, so the hook would silently never run: backward refuses
+    it with the way out, and trains again once the hook is removed."""
+    torch.manual_seed(0)
+    model = swap_layers(Small())
+    handle = getattr(model.fc.weight, hook)(lambda arg: None)
+    idx = torch.randint(0, 11, (3, 4))
+    with pytest.raises(RuntimeError, match="grad hook .* would never run; remove it"):
+        model(idx).square().sum().backward()
+    handle.remove()
+    model.zero_grad()
+    model(idx).square().sum().backward()
+    assert model.fc.weight.grad is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_follows_torch(dtype):
     """Under torch.autocast the layers compute in the dtypes torch's would, and

@@ -45,7 +45,8 @@ from . import comm
 from .distributed import init_distributed, local_device
 from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash
 from .materialize import full_value, set_data
-from .module import CallbackLayer, check_supported, expects_backward, in_backward_pass, swap_layers
+from .module import (CallbackLayer, check_no_grad_hooks, check_supported, expects_backward, in_backward_pass,
+                     swap_layers)
 from .module import layer_classes as module_layer_classes
 from .optim import adamw_update_
 from .optim.adamw import check_hparams
@@ -372,6 +373,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
         before any collective of it; the end of the pass is queued."""
         if self.in_backward:
             return
+        for p in self.trainable:  # local, before anything of the pass: every rank with the hook raises alike
+            check_no_grad_hooks(p, self.name_of[p])
         self.in_backward = True
         self.syncing = self.require_grad_sync
         comm.agree("this backward pass", wait=False, step=self.steps, backward=self.backwards,  # checked before its first collective

@@ -39,6 +39,17 @@ def expects_backward(ctx):
     return any(ctx.needs_input_grad) and not in_backward_pass()
 
 
+def check_no_grad_hooks(param, name=None):
+    """autograd runs a parameter's hooks as it adds the parameter's grad in;
+    tiny_zero's layers hand each grad to accumulate_grad instead, so a hook
+    would silently never run: refuse it."""
+    if param._backward_hooks or param._post_accumulate_grad_hooks:
+        name = name or f"a parameter of shape {tuple(param.shape)}"
+        raise RuntimeError(f"{name} has a grad hook (Tensor.register_hook or register_post_accumulate_grad_hook): "
+                           "tiny_zero's layers hand each grad to accumulate_grad, not to autograd, so it would "
+                           "never run; remove it, or act on p.grad after backward()")
+
+
 class LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, x, *params):
@@ -96,6 +107,7 @@ class CallbackLayer:
     def accumulate_grad(self, param, grad):
         """Default sink: add into param.grad, as autograd would. Called only
         for parameters that require grad (a frozen one's grad is never computed)."""
+        check_no_grad_hooks(param)
         if grad.dtype != param.dtype:
             grad = grad.to(param.dtype)
         if param.grad is None:
