@@ -372,6 +372,9 @@ def errors():
     x, y = batch(0)
     out["batch not divisible"] = attempt(lambda: pipe.train_step(x[:3], y[:3]))
     out["eval batch not divisible"] = attempt(lambda: pipe.eval_step(x[:2], y[:2]))
+    hook = dict(pipe.module.named_parameters())["0.wte.weight"].register_hook(lambda grad: grad)
+    out["grad hook"] = attempt(lambda: pipe.train_step(x, y))  # every rank, the first stage's parameter or not
+    hook.remove()
     return out
 
 
@@ -385,7 +388,7 @@ def attempt(action):
     try:
         action()
         return "FAILED: no error"
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:
         return f"FAILED: {called} before the error: {e}" if called else str(e)
     finally:
         for name, function in saved.items():

@@ -36,6 +36,7 @@ import torch.nn as nn
 from .. import comm
 from ..comm import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs, make_buckets
 from ..distributed import init_distributed
+from ..module import check_no_grad_hooks
 from ..strategy import ScaleGrad, Wrapper
 from .layers import LAYER_CLASSES
 from .schedule import FORWARD, SCHEDULES
@@ -137,12 +138,16 @@ class Pipeline(Wrapper):
         self.sending = []
 
     def micro_batches(self, x, y, what):
-        """Check the batch (on every rank, before any collective: each has
-        the same x and y), agree on the step, cut it into micro-batches."""
+        """Check the batch and, for a train step, that no parameter has a grad
+        hook (on every rank, before any collective: each has the same x and y,
+        and the same module), agree on the step, cut it into micro-batches."""
         for name, t in (("x", x), ("y", y)):
             if t.dim() == 0 or t.shape[0] % self.microbatches:
                 raise ValueError(f"{what}: {name} has {t.shape[0] if t.dim() else 0} rows, which "
                                  f"microbatches={self.microbatches} does not divide: the micro-batches are equal")
+        if torch.is_grad_enabled():  # a train step: every rank checks every parameter, its stage's or not
+            for name, p in self.named_params:
+                check_no_grad_hooks(p, name)
         comm.agree(f"this {what}", step=self.steps, grad=int(torch.is_grad_enabled()),
                    no_sync=int(not self.require_grad_sync), shapes=crc([tuple(x.shape), tuple(y.shape)]))
         self.inputs = x.to(self.device).chunk(self.microbatches) if self.first else None
@@ -241,7 +246,8 @@ class Pipeline(Wrapper):
 
     def backward_started(self):
         """Nothing per micro-batch: the stages run different layers at
-        different times, so they agree once per step, in micro_batches()."""
+        different times, so they agree (and check for grad hooks) once per
+        step, in micro_batches()."""
 
     @torch.no_grad()
     def all_reduce(self, bucket):
