@@ -373,8 +373,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
         before any collective of it; the end of the pass is queued."""
         if self.in_backward:
             return
-        for p in self.trainable:  # local, before anything of the pass: every rank with the hook raises alike
-            check_no_grad_hooks(p, self.name_of[p])
+        # local, before anything of the pass: every rank with the hook raises alike
+        self.check_grad_hooks(self.trainable)
         self.in_backward = True
         self.syncing = self.require_grad_sync
         comm.agree("this backward pass", wait=False, step=self.steps, backward=self.backwards,  # checked before its first collective
@@ -382,6 +382,11 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.used.clear()
         self.backwards += 1
         torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)  # at the pass's end
+
+    def check_grad_hooks(self, params):
+        """A grad hook on one of these parameters would never run: refuse it (check_no_grad_hooks)."""
+        for p in params:
+            check_no_grad_hooks(p, self.name_of[p])
 
     def backward_done(self):
         comm.where = "the end of the backward pass"

@@ -36,7 +36,6 @@ import torch.nn as nn
 from .. import comm
 from ..comm import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs, make_buckets
 from ..distributed import init_distributed
-from ..module import check_no_grad_hooks
 from ..strategy import ScaleGrad, Wrapper
 from .layers import LAYER_CLASSES
 from .schedule import FORWARD, SCHEDULES
@@ -146,8 +145,7 @@ class Pipeline(Wrapper):
                 raise ValueError(f"{what}: {name} has {t.shape[0] if t.dim() else 0} rows, which "
                                  f"microbatches={self.microbatches} does not divide: the micro-batches are equal")
         if torch.is_grad_enabled():  # a train step: every rank checks every parameter, its stage's or not
-            for name, p in self.named_params:
-                check_no_grad_hooks(p, name)
+            self.check_grad_hooks([p for _, p in self.named_params])
         comm.agree(f"this {what}", step=self.steps, grad=int(torch.is_grad_enabled()),
                    no_sync=int(not self.require_grad_sync), shapes=crc([tuple(x.shape), tuple(y.shape)]))
         self.inputs = x.to(self.device).chunk(self.microbatches) if self.first else None
