@@ -370,10 +370,12 @@ class Buckets:
                                "was wrapped: tiny_zero reads requires_grad once, when wrapping; set it first")
         if self.flat is None:
             self.keep_part(bucket, param, grad)
-        elif param in self.got_grad:
-            bucket.own_view(bucket.grads, param).add_(grad)
-        else:  # its place holds zeros (since clear()): a copy is the same sum, with one read less
-            bucket.own_view(bucket.grads, param).copy_(grad)
+        else:
+            slot = bucket.own_view(bucket.grads, param)
+            if param in self.got_grad:
+                slot.add_(grad)
+            else:  # its place holds zeros (since clear()): a copy is the same sum, with one read less
+                slot.copy_(grad)
         self.got_grad.add(param)
         bucket.fresh = True
         left = self.pending[param]
