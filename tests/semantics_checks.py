@@ -393,4 +393,16 @@ def grad_hooks_refused(name):
         except RuntimeError as e:
             if "fc1.weight has a grad hook" not in str(e):
                 failures.append(f"{name}: {hook}: unclear error {str(e)[:200]}")
+    # on rank 0 only: rank 0 names the hook, the others learn of it from the
+    # backward's agreement, at once (not at the collectives' timeout)
+    model, opt = make_tiny(name)
+    if dist.get_rank() == 0:
+        model.module.fc1.weight.register_hook(lambda grad: grad)
+    expected = "fc1.weight has a grad hook" if dist.get_rank() == 0 else "parameters_with_grad_hooks from 0 to 1"
+    try:
+        run_loop(model, opt, "plain", 0, True)
+        failures.append(f"{name}: a hook on rank 0 only went on without an error")
+    except RuntimeError as e:
+        if expected not in str(e):
+            failures.append(f"{name}: a hook on rank 0 only: unclear error {str(e)[:200]}")
     return failures

@@ -216,6 +216,8 @@ def agree(what, group=None, wait=True, **values):
     next agree that waits), so its all-reduce runs while the rank computes."""
     if not _has_peers() or (group is not None and dist.get_world_size(group) < 2):
         return
+    if wait:  # the earlier ones first: should one of them raise, nothing of this one is in flight
+        settle_agreements()
     names = list(values)
     # bookkeeping, not the model's memory: out of sight of tensor-counting modes
     # (whose counts gloo's worker thread would otherwise race when it lets go)

@@ -369,19 +369,27 @@ class Wrapper(WrapperStateDicts, nn.Module):
 
     def backward_started(self):
         """The first layer backward of a backward pass: every rank agrees it
-        runs the same backward (the same step, forward layers and no_sync),
-        before any collective of it; the end of the pass is queued."""
+        runs the same backward (the same step, forward layers, no_sync and
+        grad hooks), before any collective of it; the end of the pass is queued."""
         if self.in_backward:
             return
-        # local, before anything of the pass: every rank with the hook raises alike
-        self.check_grad_hooks(self.trainable)
+        hooked = self.hooked(self.trainable)
+        try:  # checked before the pass's first collective; a rank with a hook waits for the check here
+            comm.agree("this backward pass", wait=bool(hooked), step=self.steps, backward=self.backwards,
+                       no_sync=int(not self.require_grad_sync), layers_used_in_forward=sequence_hash(self.used),
+                       parameters_with_grad_hooks=len(hooked))
+        finally:  # that rank names its hook (rather than the disagreement the others raise)
+            self.check_grad_hooks(hooked)
         self.in_backward = True
         self.syncing = self.require_grad_sync
-        comm.agree("this backward pass", wait=False, step=self.steps, backward=self.backwards,  # checked before its first collective
-                   no_sync=int(not self.syncing), layers_used_in_forward=sequence_hash(self.used))
         self.used.clear()
         self.backwards += 1
         torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)  # at the pass's end
+
+    @staticmethod
+    def hooked(params):
+        """Those of `params` with a grad hook, which would never run (check_no_grad_hooks)."""
+        return [p for p in params if p._backward_hooks or p._post_accumulate_grad_hooks]
 
     def check_grad_hooks(self, params):
         """A grad hook on one of these parameters would never run: refuse it (check_no_grad_hooks)."""
