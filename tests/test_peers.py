@@ -71,3 +71,16 @@ def test_benchmark_splits_each_peak_by_what_holds_it(world2):
         assert near(ds3["parameters"], share) and near(ds3["fp32 master copy"], share), ds3
         # its gradient bucket: reduce_bucket_size elements, allocated whatever the model's size
         assert ds1["transient"] >= 25 * 2**20 and ds3["other kept buffers"] >= 25 * 2**20, (ds1, ds3)
+
+
+def test_benchmark_runs_each_strategy_beside_its_peer_in_turn():
+    """peers.py's default order puts each tiny_zero strategy right before the
+    peer its time is held to, and every other repeat runs the order backwards."""
+    from example.benchmark import peers
+    order = peers.paired_order()
+    assert sorted(order) == sorted(peers.RUNS)
+    for ours, matches in peers.MATCHES.items():
+        (timed,) = [peer for peer, limit in matches.items() if limit is not None]
+        assert order.index(timed) == order.index(ours) + 1, (ours, timed, order)
+    assert peers.in_turn(order, 0) == order == peers.in_turn(order, 2)
+    assert peers.in_turn(order, 1) == order[::-1]

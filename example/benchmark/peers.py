@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node 2 example/benchmark/peers.py --model small --steps 12 --warmup 3 --plots docs
 
-One process group, one run after another: tiny_zero's ddp, zero1, zero2,
+One process group, one run after another, each tiny_zero strategy beside
+its matching peer: tiny_zero's ddp, zero1, zero2,
 zero3 and fsdp; the torch peers (DistributedDataParallel, FSDP2's
 fully_shard, ZeroRedundancyOptimizer); and DeepSpeed ZeRO stages 1, 2 and 3
 twice each: with buckets the size of tiny_zero's (deepspeed_zero1, ...) and
@@ -25,7 +26,9 @@ same seed, trains on the same batches with the same fp32 AdamW
           tensors (activations, grads freed by zero_grad, buckets in flight)
   time    the median wall-clock step over the timed steps (each step's time
           is its slowest rank's); no counting mode runs while timing. With
-          --repeat R every run is repeated R times, in turn: the table gives
+          --repeat R every run is repeated R times, in turn (each strategy
+          next to its matching peer, the order reversed on every other
+          repeat, so both sides of a pair see the same drift): the table gives
           the best repeat (other load only ever adds time) and the worst, and
           the ratios use the best. Also the CPU time per step (process time
           of the busiest rank), which other load disturbs less
@@ -549,8 +552,27 @@ def write_plots(results, folder):
     print(f"plots: {folder / 'memory_per_rank.png'}, {folder / 'loss_curves.png'}")
 
 
+def paired_order():
+    """Every run, each tiny_zero strategy next to the peer its time is held
+    to (ddp, torch_ddp, zero1, deepspeed_zero1, ...), then the rest."""
+    order = []
+    for ours, peers in MATCHES.items():
+        timed = [peer for peer, limit in peers.items() if limit is not None]
+        order += [name for name in [ours] + timed if name not in order]
+    return order + [name for name in RUNS if name not in order]
+
+
+def in_turn(names, repeat):
+    """The runs of one repeat: in the given order, backwards on odd repeats
+    (A B, B A, ...). The machine drifts over minutes and a run's place
+    matters (the first in the process, the one after DeepSpeed's default
+    buckets freed GBs): turning the order round gives each run both sides
+    of its neighbour, and best-of-N then compares like with like."""
+    return list(names) if repeat % 2 == 0 else list(reversed(names))
+
+
 def parse_args():
-    available = [name for name in RUNS if HAS_DEEPSPEED or not name.startswith("deepspeed")]
+    available = [name for name in paired_order() if HAS_DEEPSPEED or not name.startswith("deepspeed")]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", choices=list(CONFIGS), help="model size (default: small)")
     p.add_argument("--steps", type=int, default=12, help="timed steps, after the warm-up (default: 12)")
@@ -562,7 +584,8 @@ def parse_args():
                    help="run everything this many times, in turn; times are the best repeat's (default: 1)")
     p.add_argument("--plots", metavar="DIR", help="write memory_per_rank.png and loss_curves.png here (matplotlib)")
     p.add_argument("--only", default=",".join(available),
-                   help=f"comma-separated runs, in this order (default: all of {','.join(available)})")
+                   help=f"comma-separated runs, in this order, reversed on every other repeat "
+                        f"(default: all of {','.join(available)})")
     args = p.parse_args()
     args.only = [name for name in args.only.split(",") if name]
     unknown = [name for name in args.only if name not in RUNS]
@@ -594,7 +617,7 @@ def main():
               f"{args.repeat} time(s) each\n", flush=True)
     results = {}
     for repeat in range(args.repeat):
-        for name in args.only:
+        for name in in_turn(args.only, repeat):
             r = measure(name, args, data, device, count_memory=repeat == 0)
             if repeat == 0:
                 results[name] = dict(r, step_s=[r["step_s"]], cpu_s=[r["cpu_s"]])
