@@ -45,8 +45,8 @@ from . import comm
 from .distributed import init_distributed, local_device
 from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash
 from .materialize import full_value, set_data
-from .module import (CallbackLayer, check_no_grad_hooks, check_supported, expects_backward, in_backward_pass,
-                     swap_layers)
+from .module import (CallbackLayer, check_no_grad_hooks, check_supported, expects_backward, has_grad_hook,
+                     in_backward_pass, swap_layers)
 from .module import layer_classes as module_layer_classes
 from .optim import adamw_update_
 from .optim.adamw import check_hparams
@@ -388,8 +388,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
 
     @staticmethod
     def hooked(params):
-        """Those of `params` with a grad hook, which would never run (check_no_grad_hooks)."""
-        return [p for p in params if p._backward_hooks or p._post_accumulate_grad_hooks]
+        """Those of `params` with a grad hook, which would never run (has_grad_hook)."""
+        return [p for p in params if has_grad_hook(p)]
 
     def check_grad_hooks(self, params):
         """A grad hook on one of these parameters would never run: refuse it (check_no_grad_hooks)."""

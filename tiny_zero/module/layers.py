@@ -39,11 +39,16 @@ def expects_backward(ctx):
     return any(ctx.needs_input_grad) and not in_backward_pass()
 
 
-def check_no_grad_hooks(param, name=None):
+def has_grad_hook(param):
     """autograd runs a parameter's hooks as it adds the parameter's grad in;
-    tiny_zero's layers hand each grad to accumulate_grad instead, so a hook
-    would silently never run: refuse it."""
-    if param._backward_hooks or param._post_accumulate_grad_hooks:
+    tiny_zero's layers hand each grad to accumulate_grad instead, so such a
+    hook would silently never run."""
+    return bool(param._backward_hooks or param._post_accumulate_grad_hooks)
+
+
+def check_no_grad_hooks(param, name=None):
+    """Refuse a grad hook on `param` (has_grad_hook)."""
+    if has_grad_hook(param):
         name = name or f"a parameter of shape {tuple(param.shape)}"
         raise RuntimeError(f"{name} has a grad hook (Tensor.register_hook or register_post_accumulate_grad_hook): "
                            "tiny_zero's layers hand each grad to accumulate_grad, not to autograd, so it would "
