@@ -373,28 +373,26 @@ class Wrapper(WrapperStateDicts, nn.Module):
         grad hooks), before any collective of it; the end of the pass is queued."""
         if self.in_backward:
             return
-        hooked = self.hooked(self.trainable)
-        try:  # checked before the pass's first collective; a rank with a hook waits for the check here
-            comm.agree("this backward pass", wait=bool(hooked), step=self.steps, backward=self.backwards,
-                       no_sync=int(not self.require_grad_sync), layers_used_in_forward=sequence_hash(self.used),
-                       parameters_with_grad_hooks=len(hooked))
-        finally:  # that rank names its hook (rather than the disagreement the others raise)
-            self.check_grad_hooks(hooked)
+        self.agree_refusing_hooks("this backward pass", self.trainable, wait=False,  # checked before its first collective
+                                  step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
+                                  layers_used_in_forward=sequence_hash(self.used))
         self.in_backward = True
         self.syncing = self.require_grad_sync
         self.used.clear()
         self.backwards += 1
         torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)  # at the pass's end
 
-    @staticmethod
-    def hooked(params):
-        """Those of `params` with a grad hook, which would never run (has_grad_hook)."""
-        return [p for p in params if has_grad_hook(p)]
-
-    def check_grad_hooks(self, params):
-        """A grad hook on one of these parameters would never run: refuse it (check_no_grad_hooks)."""
-        for p in params:
-            check_no_grad_hooks(p, self.name_of[p])
+    def agree_refusing_hooks(self, what, params, wait=True, **values):
+        """comm.agree on `values` and on how many of `params` have a grad hook,
+        which would never run (has_grad_hook). A rank with one waits for the
+        check, then names the parameter (check_no_grad_hooks), rather than the
+        disagreement the other ranks raise."""
+        hooked = [p for p in params if has_grad_hook(p)]
+        try:
+            comm.agree(what, wait=wait or bool(hooked), parameters_with_grad_hooks=len(hooked), **values)
+        finally:
+            for p in hooked:
+                check_no_grad_hooks(p, self.name_of[p])
 
     def backward_done(self):
         comm.where = "the end of the backward pass"

@@ -144,14 +144,11 @@ class Pipeline(Wrapper):
             if t.dim() == 0 or t.shape[0] % self.microbatches:
                 raise ValueError(f"{what}: {name} has {t.shape[0] if t.dim() else 0} rows, which "
                                  f"microbatches={self.microbatches} does not divide: the micro-batches are equal")
-        # a train step: every rank checks every parameter, its stage's or not
-        hooked = self.hooked([p for _, p in self.named_params]) if torch.is_grad_enabled() else []
-        try:
-            comm.agree(f"this {what}", step=self.steps, grad=int(torch.is_grad_enabled()),
-                       no_sync=int(not self.require_grad_sync), shapes=crc([tuple(x.shape), tuple(y.shape)]),
-                       parameters_with_grad_hooks=len(hooked))
-        finally:  # a rank with a hook names it (rather than the disagreement the others raise)
-            self.check_grad_hooks(hooked)
+        # a train step: every rank checks every parameter for grad hooks, its stage's or not
+        hook_checked = [p for _, p in self.named_params] if torch.is_grad_enabled() else []
+        self.agree_refusing_hooks(f"this {what}", hook_checked, step=self.steps, grad=int(torch.is_grad_enabled()),
+                                  no_sync=int(not self.require_grad_sync),
+                                  shapes=crc([tuple(x.shape), tuple(y.shape)]))
         self.inputs = x.to(self.device).chunk(self.microbatches) if self.first else None
         self.targets = y.to(self.device).chunk(self.microbatches) if self.last else None
 
