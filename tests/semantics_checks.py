@@ -406,3 +406,35 @@ def grad_hooks_refused(name):
         if expected not in str(e):
             failures.append(f"{name}: a hook on rank 0 only: unclear error {str(e)[:200]}")
     return failures
+
+
+def torch_options_refused(name):
+    """torch.optim.AdamW's amsgrad and maximize, which tiny_zero's AdamW does
+    not implement, are refused wherever a param group can carry them (the
+    constructor, add_param_group, a group changed before a step) instead of
+    being ignored."""
+    failures = []
+    model, opt = make_tiny(name)
+    named = dict(model.module.named_parameters())
+    opt_cls = type(opt)
+    attempts = {
+        "constructor": lambda: opt_cls(model, [{"params": [named["fc1.weight"]], "amsgrad": True}]),
+        "add_param_group": lambda: opt.add_param_group({"params": [named["sometimes.weight"]], "maximize": True}),
+    }
+    for where, attempt in attempts.items():
+        try:
+            attempt()
+            failures.append(f"{name}: amsgrad/maximize in a group at the {where} went on without an error")
+        except ValueError as e:
+            if "tiny_zero's AdamW has no" not in str(e):
+                failures.append(f"{name}: {where}: unclear error {str(e)[:200]}")
+    model, opt = make_tiny(name)
+    run_loop(model, opt, "plain", 0, True)
+    opt.param_groups[0]["amsgrad"] = True
+    try:
+        opt.step()
+        failures.append(f"{name}: amsgrad=True set in a group before the step went on without an error")
+    except ValueError as e:
+        if "has no amsgrad" not in str(e):
+            failures.append(f"{name}: amsgrad before the step: unclear error {str(e)[:200]}")
+    return failures

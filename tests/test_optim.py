@@ -228,6 +228,27 @@ def test_loads_torch_adamw_state_dict():
         assert (p - q).abs().max().item() <= 1e-6
 
 
+def test_torch_options_it_lacks_are_refused_not_ignored():
+    """amsgrad and maximize, which torch.optim.AdamW has and this AdamW does not,
+    raise in a group (constructor, add_param_group) and in a checkpoint of a
+    torch.optim.AdamW that used one (at the step), rather than being ignored."""
+    params = make_params(0)
+    with pytest.raises(ValueError, match="has no amsgrad"):
+        AdamW([{"params": params[:2]}, {"params": params[2:], "amsgrad": True}])
+    opt = AdamW(params[:2])
+    with pytest.raises(ValueError, match="has no maximize"):
+        opt.add_param_group({"params": params[2:], "maximize": True})
+    ref = make_params(0)
+    ref_opt = torch.optim.AdamW(ref, amsgrad=True)
+    set_grads([ref], torch.Generator().manual_seed(0))
+    ref_opt.step()
+    opt = AdamW(params)
+    opt.load_state_dict(ref_opt.state_dict())
+    set_grads([params], torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="has no amsgrad"):
+        opt.step()
+
+
 def test_bf16_params_use_fp32_master_and_track_fp32_run():
     # Weights near 1 with lr 1e-3: a bf16-only update (bf16 spacing near 1 is 2**-7) would mostly round away.
     g = torch.Generator().manual_seed(7)

@@ -8,7 +8,7 @@ passes without no_sync, and a forgotten zero_grad, accumulate as torch does.
 At world 2: add_param_group, zero_grad(set_to_none=False), state dicts of the
 model and the optimizer, p.grad and torch's clip_grad_norm_, fp16 with a plain
 loss.backward(), autocast and torch.compile, a grad hook on a parameter
-refused. Ranks that disagree (no_sync on
+refused, torch's amsgrad and maximize refused. Ranks that disagree (no_sync on
 one rank, a layer used on one rank) end in tiny_zero's error on every rank,
 and every process exits non-zero in time."""
 import os
@@ -35,6 +35,7 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("agreements", "each", ("agreements_per_step", ALL)),
           ("requires_grad_changed", "each", ("requires_grad_changed_after_wrapping", ALL)),
           ("grad_hooks", "each", ("grad_hooks_refused", ALL)),
+          ("torch_options", "each", ("torch_options_refused", ALL)),
           ("no_sync_then_step", "each", ("step_after_only_no_sync", ["zero1"]))]
 
 

@@ -49,7 +49,7 @@ from .module import (CallbackLayer, check_no_grad_hooks, check_supported, expect
                      in_backward_pass, swap_layers)
 from .module import layer_classes as module_layer_classes
 from .optim import adamw_update_
-from .optim.adamw import check_hparams
+from .optim.adamw import check_group, check_hparams, check_options
 from .precision import LossScaler, param_dtype
 from .state_dicts import OptimizerStateDicts, WrapperStateDicts
 
@@ -601,8 +601,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         for p in params:
             if isinstance(p, str) or id(p) not in known:
                 raise ValueError(f"{type(self).__name__} steps the wrapped model's parameters only, got {p!r}")
-        merged = {**self.defaults, **param_group}
-        check_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        check_group({**self.defaults, **param_group})
         super().add_param_group({**param_group, "params": params})
 
     @property
@@ -617,6 +616,8 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
                 loss = closure()
         model = self.model
         comm.where = "the optimizer step"
+        for group in self.param_groups:
+            check_options(group)
         model.settle()
         stepping = model.stepping()
         overflow = model.found_overflow()

@@ -91,6 +91,22 @@ def check_hparams(lr, betas, eps, weight_decay):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
+def check_group(group):
+    """A param group (defaults filled in), as it is added: its hyperparameters
+    as torch.optim.AdamW checks them, and check_options."""
+    check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    check_options(group)
+
+
+def check_options(group):
+    """None of torch.optim.AdamW's options that tiny_zero's AdamW lacks, which
+    it would otherwise ignore without a word. Also checked at every step: a
+    group may change after it is added (load_state_dict of a torch checkpoint)."""
+    for option in ("amsgrad", "maximize"):
+        if group.get(option):
+            raise ValueError(f"tiny_zero's AdamW has no {option}: a param group sets {option}=True")
+
+
 class AdamW(torch.optim.Optimizer):
     """Drop-in for torch.optim.AdamW (amsgrad=False, maximize=False), same defaults and state layout.
 
@@ -108,8 +124,7 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def add_param_group(self, param_group):
-        merged = {**self.defaults, **param_group}
-        check_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -120,6 +135,7 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
 
         for group in self.param_groups:
+            check_options(group)
             beta1, beta2 = group["betas"]
             together = []  # (param, grad, state) stepped at once with multi-tensor ops
             for p in group["params"]:
