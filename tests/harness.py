@@ -3,6 +3,8 @@
 Spawning is slow on 2 cores, so one world runs many checks: the function
 returns a list of results from every rank, and the test asserts on them.
 An exception on any rank fails the test with that rank's traceback.
+Also a check that several worlds' check modules share
+(module_state_dict_failures).
 """
 import os
 import pickle
@@ -72,3 +74,21 @@ def run_checks(world_size, module_name, plan, timeout=300):
 def _checks(module_name, plan):
     module = __import__(module_name)
     return {key: getattr(module, fn)(*args) for key, fn, args in plan}
+
+
+def module_state_dict_failures(model, values):
+    """For a wrapper whose module holds only a rank's part of each parameter
+    (zero3, fsdp, tensor, pipeline): model.module.load_state_dict(values),
+    keyed as the module's own, sets what model.full_state_dict() gives, and
+    model.module.state_dict() raises rather than return the parts."""
+    import torch
+    model.module.load_state_dict(values)
+    failures = [f"{k}: model.module.load_state_dict did not set it" for k, v in model.full_state_dict().items()
+                if not torch.equal(v, values[k])]
+    try:
+        model.module.state_dict()
+        failures.append("model.module.state_dict() returned what this rank holds")
+    except RuntimeError as e:
+        if "model.state_dict()" not in str(e):
+            failures.append(f"model.module.state_dict(): unclear error {str(e)[:200]}")
+    return failures

@@ -18,6 +18,7 @@ from tiny_zero import checkpoint, comm
 from tiny_zero.measure.memory import TensorMemory
 from tiny_zero.pipeline import Pipeline, PipelineAdamW
 from tiny_zero.precision import LossScaler
+from harness import module_state_dict_failures
 
 CONFIG = GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=8)
 ROWS, SEQ = 4, 8  # rows per replica per step
@@ -206,7 +207,7 @@ def grads_and_state_dicts():
     """p.grad is set on the stage that steps a parameter (None elsewhere,
     the tied head's copy included) and is torch's grad; state_dict() is
     full and keyed as torch DDP's; it loads into a fresh pipeline and into
-    plain torch."""
+    plain torch (and model.module's, harness.py)."""
     pipe, opt = build("1f1b")
     ref = GPTSequential(CONFIG)
     x, y = batch(0, pipe.replicas)
@@ -230,6 +231,7 @@ def grads_and_state_dicts():
     plain.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
     if any(not torch.equal(v, state["module." + k]) for k, v in plain.state_dict().items()):
         failures.append("plain torch did not get the values")
+    failures += module_state_dict_failures(build("gpipe")[0], {k.removeprefix("module."): v for k, v in state.items()})
     try:
         pipe(x)
         failures.append("calling the pipeline did not raise")

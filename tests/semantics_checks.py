@@ -438,3 +438,44 @@ def torch_options_refused(name):
         if "has no amsgrad" not in str(e):
             failures.append(f"{name}: amsgrad before the step: unclear error {str(e)[:200]}")
     return failures
+
+
+def module_state_dicts(name):
+    """What torch DDP users call on model.module: load_state_dict() (of the
+    module or of a submodule) reaches the fp32 masters and every rank's
+    shard, so training goes on from the loaded values (bf16 parameters: the
+    masters are not the module's tensors); state_dict() returns the values
+    where the module holds them whole, and elsewhere (zero3, fsdp) raises
+    rather than return what a rank holds between steps."""
+    failures = []
+    torch.manual_seed(1)
+    other = LoopNet().state_dict()
+    model, opt = make_tiny(name, mixed_precision="bf16")
+    model.module.load_state_dict(other)
+    model.module.fc1.load_state_dict({"weight": other["fc1.weight"] * 2, "bias": other["fc1.bias"]})
+    want = {**other, "fc1.weight": other["fc1.weight"] * 2}
+    full = model.full_state_dict()
+    for key, value in want.items():
+        if key.startswith("frozen."):  # no fp32 master for a frozen parameter: it is kept in bf16
+            value = value.bfloat16().float()
+        if not torch.equal(full[key], value):
+            failures.append(f"{name}: {key} after model.module.load_state_dict differs by "
+                            f"{(full[key] - value).abs().max():.2e}")
+    try:
+        model.module.load_state_dict({k: v for k, v in other.items() if k != "ln.bias"})
+        failures.append(f"{name}: a state dict without ln.bias loaded (strict)")
+    except RuntimeError as e:
+        if "missing keys ['ln.bias']" not in str(e):
+            failures.append(f"{name}: strict load: unclear error {str(e)[:200]}")
+    for what, sub, prefix in (("model.module", model.module, ""), ("model.module.fc1", model.module.fc1, "fc1.")):
+        try:
+            got = sub.state_dict()
+            if name in ("zero3", "fsdp"):
+                failures.append(f"{name}: {what}.state_dict() returned what a rank holds between steps")
+            for key, value in got.items():
+                if not torch.equal(value, want[prefix + key].to(value.dtype)):
+                    failures.append(f"{name}: {what}.state_dict()[{key!r}] is not the loaded value")
+        except RuntimeError as e:
+            if name not in ("zero3", "fsdp") or "model.state_dict()" not in str(e):
+                failures.append(f"{name}: {what}.state_dict(): {str(e)[:200]}")
+    return failures

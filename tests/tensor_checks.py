@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tiny_zero import checkpoint, comm
 from tiny_zero.measure.memory import TensorMemory
 from tiny_zero.tensor import TensorParallel, TensorParallelAdamW
+from harness import module_state_dict_failures
 
 VOCAB, WIDTH, HEADS, HIDDEN, SEQ = 13, 16, 4, 24, 6
 ROWS = 6  # the global batch: one set of rows per replica (1 or 2 of them), and 3 ranks' worth for fsdp
@@ -396,7 +397,7 @@ def training_loop(tp_size):
 
 def state_dicts(tp_size):
     """model.state_dict() is full, on every rank, and loads into a fresh
-    wrapper and into plain torch; the optimizer's state_dict loads back where
+    wrapper and into plain torch (and model.module's, harness.py); the optimizer's state_dict loads back where
     it was made, and training goes on identically."""
     model = wrap(tp_size)
     opt = TensorParallelAdamW(model, lr=LR, eps=1.0, weight_decay=WD)
@@ -413,6 +414,7 @@ def state_dicts(tp_size):
     for m, o in ((model, opt), (fresh, fresh_opt)):
         step(m, o, 2)
     final = model.full_state_dict()
+    failures += module_state_dict_failures(wrap(tp_size), final)
     return failures + [f"{k}: training after load_state_dict differs" for k, v in fresh.full_state_dict().items()
                        if not torch.equal(v, final[k])]
 

@@ -8,7 +8,8 @@ passes without no_sync, and a forgotten zero_grad, accumulate as torch does.
 At world 2: add_param_group, zero_grad(set_to_none=False), state dicts of the
 model and the optimizer, p.grad and torch's clip_grad_norm_, fp16 with a plain
 loss.backward(), autocast and torch.compile, a grad hook on a parameter
-refused, torch's amsgrad and maximize refused. Ranks that disagree (no_sync on
+refused, torch's amsgrad and maximize refused, model.module.state_dict() and
+load_state_dict(). Ranks that disagree (no_sync on
 one rank, a layer used on one rank) end in tiny_zero's error on every rank,
 and every process exits non-zero in time."""
 import os
@@ -36,6 +37,7 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("requires_grad_changed", "each", ("requires_grad_changed_after_wrapping", ALL)),
           ("grad_hooks", "each", ("grad_hooks_refused", ALL)),
           ("torch_options", "each", ("torch_options_refused", ALL)),
+          ("module_state_dicts", "each", ("module_state_dicts", ALL)),
           ("no_sync_then_step", "each", ("step_after_only_no_sync", ["zero1"]))]
 
 

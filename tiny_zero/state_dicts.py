@@ -4,11 +4,14 @@ model and an optimizer, kept apart from one training step's code.
 
     model.state_dict()       full fp32 values on every rank, keys as torch DDP's ("module.x")
     model.load_state_dict()  restores every shard, the fp32 masters and the buffers
+    model.module.load_state_dict(), and a submodule's: the same (guard_module_state_dicts)
     model.full_state_dict()  the same values, keys as the module's own
     model.load_pieces(read)  each rank reads only what it holds (checkpoints, pretrained weights)
     opt.state_dict()         this rank's shard of the optimizer state, marked with the strategy,
                              rank and world size that made it: it loads only there
 """
+import functools
+
 import torch
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
@@ -35,24 +38,63 @@ class WrapperStateDicts:
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Load a state dict keyed as state_dict() gives it ("module.x"; plain
         module keys too): every rank's pieces, the masters and the buffers."""
-        own = self.module.state_dict(keep_vars=True)
         values = {k.removeprefix("module."): v for k, v in state_dict.items()}
+        missing, unexpected = self.load_subtree(values, strict, type(self).__name__)
+        return _IncompatibleKeys(["module." + k for k in missing], ["module." + k for k in unexpected])
+
+    @torch.no_grad()
+    def load_subtree(self, values, strict, who, prefix=""):
+        """Load `values`, keyed as the module's state_dict() keys below `prefix`
+        with the prefix taken off. Returns (missing, unexpected) keys, so keyed."""
+        own = {k.removeprefix(prefix): v for k, v in self.module.state_dict(keep_vars=True).items()
+               if k.startswith(prefix)}
         missing = [k for k in own if k not in values]
         unexpected = [k for k in values if k not in own]
         if strict and (missing or unexpected):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing keys "
-                               f"{missing}, unexpected keys {unexpected}")
-        for key, name in state_dict_names(self.module):
+            raise RuntimeError(f"Error(s) in loading state_dict for {who}: missing keys {missing}, "
+                               f"unexpected keys {unexpected}")
+        names = [(key.removeprefix(prefix), name) for key, name in state_dict_names(self.module)
+                 if key.startswith(prefix)]
+        for key, name in names:
             if key in values and name is not None and tuple(values[key].shape) != tuple(self.shapes[name]):
                 raise RuntimeError(f"size mismatch for {key}: {tuple(values[key].shape)} in the state dict, "
                                    f"{tuple(self.shapes[name])} in the model")
-        by_name = {name: values[key] for key, name in state_dict_names(self.module) if key in values and name}
+        by_name = {name: values[key] for key, name in names if key in values and name}
         self.load_pieces(lambda piece: by_name[piece.name].reshape(-1)[piece.lo:piece.hi].float(),
                          names=set(by_name))
         for key, value in own.items():
             if key in values and not isinstance(value, nn.Parameter):
                 value.copy_(values[key])
-        return _IncompatibleKeys(["module." + k for k in missing], ["module." + k for k in unexpected])
+        return missing, unexpected
+
+    def guard_module_state_dicts(self):
+        """What torch DDP users call on the wrapped module (model.module) and
+        its submodules, made right. load_state_dict(): goes through the
+        wrapper (load_subtree), so every rank's pieces and fp32 masters take
+        the values; torch's own would write into parameters that the next step
+        overwrites from the masters, or that hold nothing (released, sliced).
+        state_dict(): where the parameters do not hold their whole values
+        between steps (module_values_whole False), raises instead of returning
+        those; model.state_dict() gathers them."""
+        for path, sub in self.module.named_modules():
+            prefix = path + "." if path else ""
+            sub.__dict__["load_state_dict"] = functools.partial(self.load_module_state_dict, sub, prefix)
+            if not self.module_values_whole:
+                sub.register_state_dict_pre_hook(self.refuse_module_state_dict)
+
+    def load_module_state_dict(self, sub, prefix, state_dict, strict=True, assign=False):
+        """model.module(.sub).load_state_dict(state_dict): a collective, as
+        model.load_state_dict. `assign` is accepted and has no effect: the
+        values are copied into what each rank holds."""
+        return _IncompatibleKeys(*self.load_subtree(dict(state_dict), strict, type(sub).__name__, prefix))
+
+    def refuse_module_state_dict(self, sub, prefix, keep_vars):
+        if keep_vars:  # the Parameter objects themselves: what tiny_zero reads internally
+            return
+        raise RuntimeError(f"{type(self).__name__}: the module's parameters hold only this rank's part between "
+                           f"steps, so {type(sub).__name__}.state_dict() would return that, not their values. "
+                           "Call model.state_dict() (keys 'module.x') or model.full_state_dict() (the module's "
+                           "keys) on every rank: full fp32 values, a collective; or tiny_zero.checkpoint.save")
 
     @torch.no_grad()
     def load_pieces(self, read, names=None):

@@ -103,6 +103,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
 
     layer_classes = None  # {torch layer class: this strategy's layer class}, from layer_classes(<Name>Layer)
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
+    module_values_whole = True  # the module's parameters hold their whole values between steps (False: released, sliced)
 
     def __init__(self, module, mixed_precision=None, reduce_dtype=None, loss_scaler=None, device=None):
         super().__init__()
@@ -129,6 +130,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             layer.path, layer.index = path, index
             layer.trained = [p for p in layer.parameters(recurse=False) if p.requires_grad]  # read once, as below
         self.module = module
+        self.guard_module_state_dicts()  # model.module.state_dict() and load_state_dict() (state_dicts.py)
         self.named_params = list(module.named_parameters())  # tied parameters appear once
         self.name_of = {p: name for name, p in self.named_params}
         self.shapes = {name: p.shape for name, p in self.named_params}  # full shapes, before any sharding

@@ -23,6 +23,7 @@ from .layers import LAYER_CLASSES
 
 class FSDP(Wrapper):
     layer_classes = LAYER_CLASSES
+    module_values_whole = False  # the parameters: released between uses
 
     def __init__(self, module, units=None, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device

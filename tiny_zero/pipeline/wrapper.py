@@ -46,6 +46,7 @@ HEADER = 8  # elements of the message that tells the next stage what it will rec
 
 class Pipeline(Wrapper):
     layer_classes = LAYER_CLASSES
+    module_values_whole = False  # the parameters: only this stage's
 
     def __init__(self, seq, loss_fn, microbatches=4, schedule="1f1b", stages=None, balance=None,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, **options):

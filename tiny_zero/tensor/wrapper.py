@@ -41,6 +41,7 @@ SPLITS = ("column", "row")
 
 class TensorParallel(Wrapper):
     layer_classes = LAYER_CLASSES
+    module_values_whole = False  # the parameters: slices
 
     def __init__(self, module, plan, tp_size=None, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         rank, world_size = init_distributed()
