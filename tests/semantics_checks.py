@@ -479,3 +479,21 @@ def module_state_dicts(name):
             if name not in ("zero3", "fsdp") or "model.state_dict()" not in str(e):
                 failures.append(f"{name}: {what}.state_dict(): {str(e)[:200]}")
     return failures
+
+
+def second_backward_refused(name):
+    """backward(retain_graph=True), then backward again through the same
+    forward: plain torch adds the grads twice, torch DDP refuses; each
+    strategy refuses too, on every rank, naming the layer (its grads were
+    sent after the first)."""
+    model, opt = make_tiny(name)
+    x, y = my_rows(global_batch(0))
+    loss = model(x, y)
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+        return [f"{name}: a second backward through the same forward went on without an error"]
+    except RuntimeError as e:
+        if "head: a second backward through the same forward" not in str(e):
+            return [f"{name}: second backward: unclear error {str(e)[:200]}"]
+    return []

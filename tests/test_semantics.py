@@ -9,7 +9,7 @@ At world 2: add_param_group, zero_grad(set_to_none=False), state dicts of the
 model and the optimizer, p.grad and torch's clip_grad_norm_, fp16 with a plain
 loss.backward(), autocast and torch.compile, a grad hook on a parameter
 refused, torch's amsgrad and maximize refused, model.module.state_dict() and
-load_state_dict(). Ranks that disagree (no_sync on
+load_state_dict(), a second backward through one forward refused. Ranks that disagree (no_sync on
 one rank, a layer used on one rank) end in tiny_zero's error on every rank,
 and every process exits non-zero in time."""
 import os
@@ -38,6 +38,7 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("grad_hooks", "each", ("grad_hooks_refused", ALL)),
           ("torch_options", "each", ("torch_options_refused", ALL)),
           ("module_state_dicts", "each", ("module_state_dicts", ALL)),
+          ("second_backward", "each", ("second_backward_refused", ALL)),
           ("no_sync_then_step", "each", ("step_after_only_no_sync", ["zero1"]))]
 
 

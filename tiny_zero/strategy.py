@@ -86,6 +86,11 @@ class StrategyLayer:
 
     def backward_callback(self, ctx, grad_out):
         comm.where = f"{self.path} backward"
+        if getattr(ctx, "backward_ran", False):  # before any collective of this pass: every rank raises alike
+            raise RuntimeError(f"{self.path}: a second backward through the same forward (backward(retain_graph="
+                               "True), then backward again): a strategy sends each layer's grads once per forward, "
+                               "as torch DDP does; add the losses and call backward once, or run the forward again")
+        ctx.backward_ran = True
         self.wrapper.backward_started()
         return super().backward_callback(ctx, grad_out)
 
