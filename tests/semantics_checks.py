@@ -497,3 +497,51 @@ def second_backward_refused(name):
         if "head: a second backward through the same forward" not in str(e):
             return [f"{name}: second backward: unclear error {str(e)[:200]}"]
     return []
+
+
+def in_place_writes(name):
+    """A parameter written in place after wrapping (a pruning mask, a zeroed
+    bias) keeps the write, as in torch: the next step starts from it, where
+    the optimizer steps fp32 masters apart from the parameters (bf16; offload)
+    as well as where it steps them. Against the same strategy given the same
+    values through model.load_state_dict. fsdp holds only slices between
+    steps: the write fails on every rank (zero3's owner of a tensor holds it
+    whole, tensor_checks.in_place_writes has the refusal at the step)."""
+    failures = []
+    mask = (torch.arange(WIDTH * HIDDEN).view(HIDDEN, WIDTH) % 3 != 0).float()
+    for precision in ("bf16", None):
+        written, loaded = (make_tiny(name, mixed_precision=precision) for _ in range(2))
+        for model, opt in (written, loaded):
+            model(*my_rows(global_batch(0))).backward()
+            opt.step()
+            opt.zero_grad()
+        if name == "fsdp":
+            failures += write_while_released(written[0], mask)
+            continue
+        want = loaded[0].full_state_dict()
+        want["fc1.weight"] = want["fc1.weight"] * mask
+        want["fc1.bias"] = torch.zeros_like(want["fc1.bias"])
+        loaded[0].module.load_state_dict(want)
+        with torch.no_grad():
+            written[0].module.fc1.weight.mul_(mask.to(written[0].module.fc1.weight.dtype))
+            nn.init.zeros_(written[0].module.fc1.bias)
+        for when in ("after the write", "after the next step"):
+            got, ref = written[0].full_state_dict(), loaded[0].full_state_dict()
+            for key in ref:
+                if not torch.equal(got[key], ref[key]):
+                    failures.append(f"{name} ({precision or 'fp32'}): {key} {when} differs from the loaded "
+                                    f"values by {(got[key] - ref[key]).abs().max():.2e}")
+            for model, opt in (written, loaded):
+                model(*my_rows(global_batch(1))).backward()
+                opt.step()
+                opt.zero_grad()
+    return failures
+
+
+def write_while_released(model, mask):
+    try:
+        with torch.no_grad():
+            model.module.fc1.weight.mul_(mask.to(model.module.fc1.weight.dtype))
+        return ["fsdp: a write into a released parameter went on without an error"]
+    except RuntimeError:
+        return []  # torch's own error: a released parameter is one shared zero

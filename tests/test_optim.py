@@ -326,3 +326,32 @@ def test_bad_group_and_update_arguments_raise():
         adamw_update_(p, torch.zeros(5), m, v, **hp, step=1)
     with pytest.raises(ValueError, match="fp32"):
         adamw_update_(p.half(), g, m, v, **hp, step=1)
+
+
+def test_a_bf16_parameter_written_in_place_keeps_the_write():
+    """torch.optim steps the parameter itself, so a write into it (a pruning
+    mask, a zeroed bias) lasts; tiny_zero's AdamW steps an fp32 master of a
+    bf16 parameter, which takes the elements the write changed, and keeps its
+    own precision in the others, before the step would write the old ones
+    back. Against the same write made into the masters themselves."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+    mask = torch.arange(64).view(8, 8) % 3 != 0
+    runs = []
+    for into_master in (False, True):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 8).bfloat16()
+        opt = AdamW(lin.parameters(), lr=1e-2)
+        for step in range(2):
+            lin(x).float().square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0 and into_master:
+                opt.state[lin.weight]["master"].mul_(mask)
+                opt.state[lin.bias]["master"].zero_()
+            if step == 0:
+                with torch.no_grad():
+                    lin.weight.mul_(mask)
+                    torch.nn.init.zeros_(lin.bias)
+        runs.append([opt.state[p]["master"] for p in (lin.weight, lin.bias)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert runs[0][0][~mask].abs().max() <= 1e-2 * 1.001  # one AdamW step from 0

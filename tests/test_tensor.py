@@ -49,6 +49,7 @@ def world2(world3, world4):
         ("pieces2", "pieces_cover_the_model", (2,)),
         ("loop", "training_loop", (2,)),
         ("state_dicts", "state_dicts", (2,)),
+        ("in_place_writes", "in_place_writes", (2,)),
         ("precision", "precision", (2,)),
         ("gpt", "example_gpt", (GPT_PLAN, False)),
         ("gpt_checkpointed", "example_gpt", (GPT_PLAN, True)),
@@ -81,6 +82,11 @@ def test_the_example_gpt_with_its_plan(world2):
 
 def test_torch_training_loop_semantics(world2):
     no_failures(world2["loop"] + world2["state_dicts"])
+
+
+def test_a_parameter_written_in_place(world2):
+    """fp32: the write lasts; bf16: every rank raises at the step."""
+    no_failures(world2["in_place_writes"])
 
 
 def test_mixed_precision(world2):

@@ -40,9 +40,12 @@ def full_value(module, name, param, device):
 def set_data(param, value):
     """Point `param` at `value`, keeping the Parameter object (so tied layers
     stay tied). A meta parameter cannot take real data through .data, so its
-    contents are swapped instead."""
+    contents are swapped instead, for a tensor on value's memory with a
+    version counter of its own (value.data), as `.data =` keeps the
+    parameter's: a write into the buffer that value is a view of is not a
+    write into the parameter (Wrapper.adopt_param_writes tells them apart)."""
     if param.is_meta:
-        torch.utils.swap_tensors(param, torch.nn.Parameter(value, requires_grad=param.requires_grad))
+        torch.utils.swap_tensors(param, torch.nn.Parameter(value.data, requires_grad=param.requires_grad))
     else:
         param.data = value
 

@@ -16,12 +16,15 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from . import comm
+
 
 class WrapperStateDicts:
     """Mixed into Wrapper."""
 
     def full_state_dict(self):
         """Full fp32 values (the masters), keys as module.state_dict(), on every rank."""
+        self.adopt_param_writes()
         full = self.gather_full()
         return {k: full[v] if v in full else v.detach().float().cpu().clone()
                 for k, v in self.module.state_dict(keep_vars=True).items()}
@@ -112,6 +115,62 @@ class WrapperStateDicts:
             if piece.tensor in self.working:
                 self.working[piece.tensor][place] = values
         self.sync_params()
+        self.versions = param_versions(self.named_params)  # what was written before is loaded over
+
+    @torch.no_grad()
+    def adopt_param_writes(self):
+        """A write into a parameter in place (p.mul_(mask), p.clamp_(),
+        nn.init.*_ after wrapping) lasts in torch. Here it lasts by itself
+        where the parameter is a view of what the optimizer steps (fp32 ddp,
+        zero1, zero2, tensor, pipeline; zero3's owner). Where the optimizer
+        steps fp32 masters apart from the module's parameters (bf16 and fp16;
+        offload), the elements the write changed go into the masters this
+        rank holds, before the step would write the old values back. Where a
+        rank holds only part of a parameter between steps and steps values
+        apart from it (fsdp; zero3, tensor and pipeline under bf16), the write
+        cannot be carried: every replica raises. Every in-place write moves the
+        parameter's version counter (p._version), as autograd sees it;
+        p.data.mul_() moves none and is not seen."""
+        written = {name: p for name, p in self.named_params if p._version != self.versions[p]}
+        if not written:
+            return
+        pieces = {}
+        for piece in self.all_pieces():
+            if piece.name in written:
+                pieces.setdefault(piece.name, []).append(piece)
+        apart = {name: [piece for piece in pieces.get(name, [])  # the pieces the write is not in
+                        if piece.tensor.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()]
+                 for name, p in written.items()}
+        if not self.module_values_whole:
+            self.refuse_lost_writes([name for name, mine in apart.items() if mine])
+        for name, mine in apart.items():
+            values = written[name].detach().reshape(-1)
+            for piece in mine:
+                place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
+                held = piece.tensor[place]
+                now = values[piece.lo:piece.hi].to(held.device)  # offload: the masters are in host memory
+                held.copy_(torch.where(now != held.to(now.dtype), now.to(held.dtype), held))  # what changed
+                if piece.tensor in self.working:
+                    self.working[piece.tensor][place] = held
+        self.versions = param_versions(self.named_params)
+
+    def refuse_lost_writes(self, lost):
+        """Raise on every replica if a write is lost on any (a rank may hold
+        none of a parameter that another holds part of)."""
+        count = torch.tensor([len(lost)], device=self.device)
+        comm.all_reduce(count, group=self.replica_group)
+        if count.item():
+            where = ", ".join(lost[:3]) + (" (and more)" if len(lost) > 3 else "") if lost else \
+                "a parameter another rank holds part of"
+            raise RuntimeError(f"{where} was written in place after wrapping (p.mul_, p.copy_, nn.init): "
+                               f"{type(self).__name__} steps values kept apart from the module's parameters, so "
+                               "the write would be lost; set new values with model.load_state_dict (or "
+                               "model.module's), before or between steps")
+
+
+def param_versions(named_params):
+    """{parameter: its version counter}, which every in-place write moves."""
+    return {p: p._version for _, p in named_params}
 
 
 def state_dict_names(module):

@@ -51,7 +51,7 @@ from .module import layer_classes as module_layer_classes
 from .optim import adamw_update_
 from .optim.adamw import check_group, check_hparams, check_options
 from .precision import LossScaler, param_dtype
-from .state_dicts import OptimizerStateDicts, WrapperStateDicts
+from .state_dicts import OptimizerStateDicts, WrapperStateDicts, param_versions
 
 log = logging.getLogger("tiny_zero")
 
@@ -154,6 +154,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.nothing = None  # the shared zero of released(), made at its first use
         self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
         self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
+        self.versions = param_versions(self.named_params)  # in-place writes move them (adopt_param_writes)
 
     # ------------------------------------------------------------ hooks
 
@@ -222,7 +223,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             bucket = next(b for b in buckets if p in b.offsets)
             view = bucket.view(flat, p)
             view.copy_(self.value(name_of[p], p))
-            set_data(p, view)
+            self.set_data(p, view)
         self.broadcast_from_first_replica(flat)
         return flat
 
@@ -233,7 +234,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         for p in params:
             value = self.value(name_of[p], p)
             self.broadcast_from_first_replica(value)
-            set_data(p, value)
+            self.set_data(p, value)
 
     def broadcast_from_first_replica(self, tensor):
         """Every replica takes the first one's values (replicas are consecutive
@@ -318,8 +319,11 @@ class Wrapper(WrapperStateDicts, nn.Module):
         return full
 
     def set_data(self, param, value):
-        """Point param at value (see tiny_zero/materialize.py: meta parameters too)."""
+        """Point param at value, when wrapping (see tiny_zero/materialize.py:
+        meta parameters too, whose swapped contents come with a new version
+        counter: what adopt_param_writes compares with is read again)."""
         set_data(param, value)
+        self.versions[param] = param._version
 
     def sharded_grad(self, param):
         """What p.grad shows where the averaged grad is sharded (grad_attr)."""
@@ -337,6 +341,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         """The pieces this rank writes to a checkpoint, so that each element is
         written once: those it alone holds, and its round-robin share of those
         every replica holds."""
+        self.adopt_param_writes()
         pieces = self.pieces()
         replicated = [p for p in pieces if p.replicated]
         return [p for p in pieces if not p.replicated] + replicated[self.replica::self.replicas]
@@ -626,6 +631,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         for group in self.param_groups:
             check_options(group)
         model.settle()
+        model.adopt_param_writes()
         stepping = model.stepping()
         overflow = model.found_overflow()
         if model.loss_scaler is not None:

@@ -121,6 +121,7 @@ class AdamW(torch.optim.Optimizer):
         _check_kernel(kernel)
         self.kernel = kernel
         self.grad_scale = 1.0
+        self.versions = {}  # low-precision parameter -> its version counter after the step wrote it
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def add_param_group(self, param_group):
@@ -157,6 +158,7 @@ class AdamW(torch.optim.Optimizer):
                     out = None
                 else:
                     work = state["master"]
+                    self.take_write(p, work)
                     out = p.view(-1) if p.is_contiguous() else None
                 adamw_update_(work.view(-1), grad.reshape(-1), state["exp_avg"].view(-1),
                               state["exp_avg_sq"].view(-1), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
@@ -164,6 +166,8 @@ class AdamW(torch.optim.Optimizer):
                               grad_scale=self.grad_scale, param_out=out, kernel=self.kernel)
                 if work is not p and out is None:
                     p.copy_(work)
+                if p.dtype != torch.float32:
+                    self.versions[p] = p._version  # the step's own write is not the user's
             if together:
                 params, grads, states = zip(*together)
                 torch_adamw_update_many_(list(params), list(grads), [s["exp_avg"] for s in states],
@@ -171,6 +175,15 @@ class AdamW(torch.optim.Optimizer):
                                          beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                                          steps=[s["step"].item() for s in states], grad_scale=self.grad_scale)
         return loss
+
+    def take_write(self, p, master):
+        """A write into a low-precision p in place since the step last wrote it
+        (p.mul_(mask), p.clamp_(), nn.init: its version counter moved) lasts,
+        as in torch: the elements it changed go into the fp32 master, which the
+        step would otherwise write back over them."""
+        if self.versions.get(p) == p._version:
+            return
+        master.copy_(torch.where(p != master.to(p.dtype), p.float(), master))  # master has p's shape
 
     def grad_of(self, param):
         """The grad to step `param` with (strategies keep theirs elsewhere)."""
