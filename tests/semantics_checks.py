@@ -113,6 +113,15 @@ def run_loop(model, opt, loop, step, distributed):
     return total
 
 
+def refused(call, expected, what, error=RuntimeError):
+    """[] if call() raises `error` with `expected` in its message, else the failure."""
+    try:
+        call()
+    except error as e:
+        return [] if expected in str(e) else [f"{what}: unclear error {str(e)[:200]}"]
+    return [f"{what} went on without an error"]
+
+
 def training_loop(name, loop):
     """Frozen, never-used and alternate-step layers, param groups, a LambdaLR
     warm-up, and the loop's way of accumulating: every step's loss and every
@@ -345,12 +354,9 @@ def step_after_only_no_sync(name):
     model(x, y).backward()
     with model.no_sync():
         model(x, y).backward()
-    try:
-        opt.step()
-        return [f"{name}: stepped with grads that a no_sync() backward left unaveraged"]
-    except RuntimeError as e:
-        if "no_sync()" not in str(e):
-            return [f"{name}: unclear error {e}"]
+    failures = refused(opt.step, "no_sync()", f"{name}: a step with grads that a no_sync() backward left unaveraged")
+    if failures:
+        return failures
     model(x, y).backward()
     opt.step()
     return []
@@ -387,25 +393,16 @@ def grad_hooks_refused(name):
     for hook in ("register_hook", "register_post_accumulate_grad_hook"):
         model, opt = make_tiny(name)
         getattr(model.module.fc1.weight, hook)(lambda arg: None)
-        try:
-            run_loop(model, opt, "plain", 0, True)
-            failures.append(f"{name}: a {hook} hook went on without an error")
-        except RuntimeError as e:
-            if "fc1.weight has a grad hook" not in str(e):
-                failures.append(f"{name}: {hook}: unclear error {str(e)[:200]}")
+        failures += refused(lambda: run_loop(model, opt, "plain", 0, True), "fc1.weight has a grad hook",
+                            f"{name}: a {hook} hook")
     # on rank 0 only: rank 0 names the hook, the others learn of it from the
     # backward's agreement, at once (not at the collectives' timeout)
     model, opt = make_tiny(name)
     if dist.get_rank() == 0:
         model.module.fc1.weight.register_hook(lambda grad: grad)
     expected = "fc1.weight has a grad hook" if dist.get_rank() == 0 else "parameters_with_grad_hooks from 0 to 1"
-    try:
-        run_loop(model, opt, "plain", 0, True)
-        failures.append(f"{name}: a hook on rank 0 only went on without an error")
-    except RuntimeError as e:
-        if expected not in str(e):
-            failures.append(f"{name}: a hook on rank 0 only: unclear error {str(e)[:200]}")
-    return failures
+    return failures + refused(lambda: run_loop(model, opt, "plain", 0, True), expected,
+                              f"{name}: a hook on rank 0 only")
 
 
 def torch_options_refused(name):
@@ -422,22 +419,13 @@ def torch_options_refused(name):
         "add_param_group": lambda: opt.add_param_group({"params": [named["sometimes.weight"]], "maximize": True}),
     }
     for where, attempt in attempts.items():
-        try:
-            attempt()
-            failures.append(f"{name}: amsgrad/maximize in a group at the {where} went on without an error")
-        except ValueError as e:
-            if "tiny_zero's AdamW has no" not in str(e):
-                failures.append(f"{name}: {where}: unclear error {str(e)[:200]}")
+        failures += refused(attempt, "tiny_zero's AdamW has no", f"{name}: amsgrad/maximize in a group at the {where}",
+                            ValueError)
     model, opt = make_tiny(name)
     run_loop(model, opt, "plain", 0, True)
     opt.param_groups[0]["amsgrad"] = True
-    try:
-        opt.step()
-        failures.append(f"{name}: amsgrad=True set in a group before the step went on without an error")
-    except ValueError as e:
-        if "has no amsgrad" not in str(e):
-            failures.append(f"{name}: amsgrad before the step: unclear error {str(e)[:200]}")
-    return failures
+    return failures + refused(opt.step, "has no amsgrad", f"{name}: amsgrad=True set in a group before the step",
+                              ValueError)
 
 
 def module_state_dicts(name):
@@ -461,12 +449,8 @@ def module_state_dicts(name):
         if not torch.equal(full[key], value):
             failures.append(f"{name}: {key} after model.module.load_state_dict differs by "
                             f"{(full[key] - value).abs().max():.2e}")
-    try:
-        model.module.load_state_dict({k: v for k, v in other.items() if k != "ln.bias"})
-        failures.append(f"{name}: a state dict without ln.bias loaded (strict)")
-    except RuntimeError as e:
-        if "missing keys ['ln.bias']" not in str(e):
-            failures.append(f"{name}: strict load: unclear error {str(e)[:200]}")
+    failures += refused(lambda: model.module.load_state_dict({k: v for k, v in other.items() if k != "ln.bias"}),
+                        "missing keys ['ln.bias']", f"{name}: a strict load of a state dict without ln.bias")
     for what, sub, prefix in (("model.module", model.module, ""), ("model.module.fc1", model.module.fc1, "fc1.")):
         try:
             got = sub.state_dict()
@@ -490,13 +474,8 @@ def second_backward_refused(name):
     x, y = my_rows(global_batch(0))
     loss = model(x, y)
     loss.backward(retain_graph=True)
-    try:
-        loss.backward()
-        return [f"{name}: a second backward through the same forward went on without an error"]
-    except RuntimeError as e:
-        if "head: a second backward through the same forward" not in str(e):
-            return [f"{name}: second backward: unclear error {str(e)[:200]}"]
-    return []
+    return refused(loss.backward, "head: a second backward through the same forward",
+                   f"{name}: a second backward through the same forward")
 
 
 def in_place_writes(name):

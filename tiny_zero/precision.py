@@ -12,6 +12,15 @@ import torch
 DTYPES = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def take_written_(master, values):
+    """A write into a low-precision parameter in place, into its fp32 master:
+    the elements of `values` (the parameter's, in its dtype) that differ from
+    the master's rounding to that dtype are copied in; the others keep the
+    master's fp32 precision."""
+    values = values.to(master.device)  # offload: the masters are in host memory
+    master.copy_(torch.where(values != master.to(values.dtype), values.to(master.dtype), master))
+
+
 def param_dtype(mixed_precision):
     if mixed_precision not in DTYPES:
         raise ValueError(f"mixed_precision must be one of {list(DTYPES)}, got {mixed_precision!r}")

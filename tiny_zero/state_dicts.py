@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import comm
+from .precision import take_written_
 
 
 class WrapperStateDicts:
@@ -147,11 +148,9 @@ class WrapperStateDicts:
             values = written[name].detach().reshape(-1)
             for piece in mine:
                 place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
-                held = piece.tensor[place]
-                now = values[piece.lo:piece.hi].to(held.device)  # offload: the masters are in host memory
-                held.copy_(torch.where(now != held.to(now.dtype), now.to(held.dtype), held))  # what changed
+                take_written_(piece.tensor[place], values[piece.lo:piece.hi])
                 if piece.tensor in self.working:
-                    self.working[piece.tensor][place] = held
+                    self.working[piece.tensor][place] = piece.tensor[place]
         self.versions = param_versions(self.named_params)
 
     def refuse_lost_writes(self, lost):

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from ..precision import take_written_
 from .fused import fused_adamw_update_
 from .reference import torch_adamw_update_, torch_adamw_update_many_
 
@@ -181,9 +182,8 @@ class AdamW(torch.optim.Optimizer):
         (p.mul_(mask), p.clamp_(), nn.init: its version counter moved) lasts,
         as in torch: the elements it changed go into the fp32 master, which the
         step would otherwise write back over them."""
-        if self.versions.get(p) == p._version:
-            return
-        master.copy_(torch.where(p != master.to(p.dtype), p.float(), master))  # master has p's shape
+        if self.versions.get(p) != p._version:
+            take_written_(master, p.detach())
 
     def grad_of(self, param):
         """The grad to step `param` with (strategies keep theirs elsewhere)."""
