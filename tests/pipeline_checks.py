@@ -156,7 +156,7 @@ def groups(module):
 def training_loop(schedule, stages, loop):
     """A frozen layer, param groups, a LambdaLR warm-up, eps=1 (the update is
     about lr·g: a wrong average shows), and the loop's way of accumulating:
-    plain; two train_steps per step; no_sync on the first of two; no
+    plain (clearing with module.zero_grad() on odd steps); two train_steps per step; no_sync on the first of two; no
     zero_grad (the grads carry into the next step). Every loss and parameter
     as torch's; the frozen layer bit-unchanged and never sent."""
     ref = loop_model()
@@ -184,10 +184,12 @@ def training_loop(schedule, stages, loop):
             sent = comm.stats.elements["all_reduce"] - 1  # the loss
             if sent > pipe.flat_grads.numel():
                 failures.append(f"{where} step {step}: {sent} grad elements sent, more than the stage's")
-        for o, s in ((ref_opt, ref_sched), (opt, sched)):
+        for o, s, m in ((ref_opt, ref_sched, ref), (opt, sched, module)):
             o.step()
             s.step()
-            if loop != "no_zero_grad":
+            if loop == "plain" and step % 2:
+                m.zero_grad()  # p.grad = None outside the optimizer: the grads go as well
+            elif loop != "no_zero_grad":
                 o.zero_grad()
         if not close(loss, ref_loss):
             failures.append(f"{where} step {step}: loss {loss} vs torch {ref_loss}")

@@ -524,3 +524,35 @@ def write_while_released(model, mask):
         return ["fsdp: a write into a released parameter went on without an error"]
     except RuntimeError:
         return []  # torch's own error: a released parameter is one shared zero
+
+
+def grads_cleared_outside_zero_grad(name):
+    """p.grad set to None without zero_grad() clears that grad, as in torch:
+    `p.grad = None` for some parameters after backward (they drop out of the
+    clipped norm and are not stepped), then model.module.zero_grad() or a
+    loop of `p.grad = None` (torch's cheap zero_grad) in place of
+    opt.zero_grad(). Every step's grad norm and parameters equal torch's."""
+    failures, where = [], f"{name} world {dist.get_world_size()}"
+    ref, ref_opt = make_torch()
+    model, opt = make_tiny(name)
+    for step in range(4):
+        norms = []
+        for m, o, module in ((ref, ref_opt, ref), (model, opt, model.module)):
+            run_loop(m, o, "plain", step, distributed=m is model)
+            if step % 2:
+                for p in module.fc1.parameters():
+                    p.grad = None
+            norms.append(model.clip_grad_norm_(0.5) if m is model else nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+            o.step()
+            if step % 2:
+                module.zero_grad()
+            else:
+                for p in module.parameters():
+                    p.grad = None
+        if abs(norms[1].item() - norms[0].item()) > ATOL + RTOL * norms[0].item():
+            failures.append(f"{where} step {step}: grad norm {norms[1].item()} vs torch {norms[0].item()}")
+        state = model.full_state_dict()
+        failures += [f"{where} step {step}: {key} differs by {(state[key] - want).abs().max():.2e}"
+                     for key, want in ref.state_dict().items()
+                     if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
+    return failures

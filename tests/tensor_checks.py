@@ -360,7 +360,8 @@ def groups(module, by_name):
 def training_loop(tp_size):
     """A frozen column Linear, a layer used on alternate steps, param groups
     (by parameter and by name), a LambdaLR warm-up, two backward passes per
-    step: torch's numbers; the frozen layer never moves; p.grad is set exactly
+    step, cleared by zero_grad() of the optimizer or of the module: torch's
+    numbers; the frozen layer never moves; p.grad is set exactly
     where torch's is, a ShardedGrad for a slice and the averaged grad for a
     whole parameter."""
     torch.manual_seed(0)
@@ -385,10 +386,10 @@ def training_loop(tp_size):
                 failures.append(f"step {n}: p.grad of {name} is not torch's grad")
             elif p.grad is not None and p in model.split and type(p.grad).__name__ != "ShardedGrad":
                 failures.append(f"step {n}: p.grad of the slice {name} is a {type(p.grad).__name__}")
-        for o, s in ((ref_opt, ref_sched), (opt, sched)):
+        for o, s, m in ((ref_opt, ref_sched, ref), (opt, sched, model.module)):
             o.step()
             s.step()
-            o.zero_grad()
+            o.zero_grad() if n % 2 else m.zero_grad()  # p.grad = None outside the optimizer: the grads go too
         failures += compare(f"loop tp {tp_size} step {n}", model.full_state_dict(), ref.state_dict())
         failures += [f"step {n}: frozen {k} moved" for k, v in initial.items()
                      if not torch.equal(model.full_state_dict()[k], v)]

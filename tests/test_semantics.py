@@ -9,8 +9,8 @@ At world 2: add_param_group, zero_grad(set_to_none=False), state dicts of the
 model and the optimizer, p.grad and torch's clip_grad_norm_, fp16 with a plain
 loss.backward(), autocast and torch.compile, a grad hook on a parameter
 refused, torch's amsgrad and maximize refused, model.module.state_dict() and
-load_state_dict(), a second backward through one forward refused, a parameter
-written in place after wrapping. Ranks that disagree (no_sync on
+load_state_dict(), a second backward through one forward refused, p.grad set
+to None outside zero_grad(), a parameter written in place after wrapping. Ranks that disagree (no_sync on
 one rank, a layer used on one rank) end in tiny_zero's error on every rank,
 and every process exits non-zero in time."""
 import os
@@ -40,6 +40,7 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("torch_options", "each", ("torch_options_refused", ALL)),
           ("module_state_dicts", "each", ("module_state_dicts", ALL)),
           ("second_backward", "each", ("second_backward_refused", ALL)),
+          ("grads_cleared", "each", ("grads_cleared_outside_zero_grad", ALL)),
           ("in_place_writes", "each", ("in_place_writes", [n for n in ALL if n != "zero3"])),
           ("no_sync_then_step", "each", ("step_after_only_no_sync", ["zero1"]))]
 

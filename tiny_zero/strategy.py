@@ -154,6 +154,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.nothing = None  # the shared zero of released(), made at its first use
         self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
         self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
+        self.showing = set()  # the parameters whose p.grad backward_done set, until zero_grad
         self.versions = param_versions(self.named_params)  # in-place writes move them (adopt_param_writes)
 
     # ------------------------------------------------------------ hooks
@@ -385,6 +386,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         grad hooks), before any collective of it; the end of the pass is queued."""
         if self.in_backward:
             return
+        self.forget_cleared_grads()
         self.agree_refusing_hooks("this backward pass", self.trainable, wait=False,  # checked before its first collective
                                   step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
                                   layers_used_in_forward=sequence_hash(self.used))
@@ -415,6 +417,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             for p in self.buckets.got_grad:
                 if p.grad is None:
                     p.grad = self.shown_grad(p)
+            self.showing.update(self.buckets.got_grad)
         self.buckets.end_backward()
 
     def shown_grad(self, p):
@@ -430,6 +433,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         for p in params:
             if set_to_none:
                 p.grad = None
+                self.showing.discard(p)
             elif p.grad is not None and not isinstance(p.grad, ShardedGrad):
                 p.grad.zero_()
         if set(params).issuperset(self.trainable):
@@ -439,6 +443,15 @@ class Wrapper(WrapperStateDicts, nn.Module):
                 self.averaged.clear()
         else:
             self.clear_some_grads(set(params), set_to_none)
+
+    def forget_cleared_grads(self):
+        """A p.grad that backward set and that was set to None since, outside
+        zero_grad() (model.module.zero_grad(), or `p.grad = None`, torch's cheap
+        zero_grad), clears that grad as in torch: the wrapper's own copy of it
+        goes too, which the next backward would otherwise add to."""
+        cleared = [p for p in self.showing if p.grad is None]
+        if cleared:
+            self.zero_grad(params=cleared)
 
     @torch.no_grad()
     def clear_some_grads(self, params, set_to_none):
@@ -460,6 +473,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         """The parameters the optimizer steps now: those whose p.grad is set,
         as torch.optim (zero_grad(set_to_none=True), or no grad in any backward
         since, leaves it None). Every rank agrees on them."""
+        self.forget_cleared_grads()
         stepping = []
         for p in self.trainable + self.frozen:  # what this rank holds (a pipeline stage: its own)
             name = self.name_of[p]
@@ -498,6 +512,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         coefficient is applied inside the optimizer's kernel, with the loss
         scale, in the pass that reads the grads."""
         comm.where = "clip_grad_norm_"
+        self.forget_cleared_grads()
         total_norm = self.grad_square_sum().sqrt() / self.loss_scale
         self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()
         return total_norm
