@@ -1,6 +1,7 @@
 """Worker for the activation-checkpointing test (run on every rank)."""
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import tiny_zero
 from tiny_zero.measure.memory import TensorMemory
@@ -16,9 +17,19 @@ def batch(step):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def reentrant(module):
+    """Each block under torch's reentrant checkpoint (Hugging Face's default):
+    its forward runs under no_grad, and backward runs it again."""
+    for block in module.blocks:
+        block.forward = lambda x, forward=block.forward: checkpoint(forward, x, use_reentrant=True)
+    return module
+
+
 def run(name, checkpoint_activations):
     wrapper_cls, opt_cls = tiny_zero.STRATEGIES[name]
-    module = build_model("tiny", n_layer=4, checkpoint_activations=checkpoint_activations)
+    module = build_model("tiny", n_layer=4, checkpoint_activations=checkpoint_activations is True)
+    if checkpoint_activations == "reentrant":
+        module = reentrant(module)
     options = {} if name == "fsdp" else {"bucket_bytes": 16 * 1024}
     model = wrapper_cls(module, **options)
     opt = opt_cls(model, lr=1e-3)
@@ -47,9 +58,10 @@ def compare(names):
     out = {}
     for name in names:
         plain = run(name, False)
-        ckpt = run(name, True)
-        out[name] = dict(
-            loss_diff=max(abs(a - b) for a, b in zip(plain[0], ckpt[0])),
-            param_diff=max((plain[1][k] - ckpt[1][k]).abs().max().item() for k in plain[1]),
-            peak_plain=plain[2], peak_ckpt=ckpt[2], overlap_plain=plain[3], overlap_ckpt=ckpt[3])
+        for mode in (True, "reentrant"):
+            ckpt = run(name, mode)
+            out[name, mode] = dict(
+                loss_diff=max(abs(a - b) for a, b in zip(plain[0], ckpt[0])),
+                param_diff=max((plain[1][k] - ckpt[1][k]).abs().max().item() for k in plain[1]),
+                peak_plain=plain[2], peak_ckpt=ckpt[2], overlap_plain=plain[3], overlap_ckpt=ckpt[3])
     return out

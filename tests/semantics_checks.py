@@ -556,3 +556,53 @@ def grads_cleared_outside_zero_grad(name):
                      for key, want in ref.state_dict().items()
                      if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
     return failures
+
+
+def autograd_grad_refused(name):
+    """torch.autograd.grad(loss, h) through a strategy's layers, where torch
+    would leave p.grad alone, and a backward with create_graph=True (a gradient
+    penalty) raise on every rank, before any collective; a training step
+    after them equals torch's."""
+    failures, where = [], f"{name} world {dist.get_world_size()}"
+    ref, ref_opt = make_torch()
+    model, opt = make_tiny(name)
+    seen = []
+    hook = model.module.ln.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    for create_graph, expected in ((False, "torch.autograd.grad"), (True, "create_graph=True")):
+        loss = model(*my_rows(global_batch(0)))
+        failures += refused(lambda: torch.autograd.grad(loss, seen[-1], create_graph=create_graph), expected,
+                            f"{where}: autograd.grad (create_graph={create_graph})")
+    hook.remove()
+    for m, o in ((ref, ref_opt), (model, opt)):
+        run_loop(m, o, "plain", 0, distributed=m is model)
+        o.step()
+    state = model.full_state_dict()
+    return failures + [f"{where}: {key} differs by {(state[key] - want).abs().max():.2e} after the refusals"
+                       for key, want in ref.state_dict().items()
+                       if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
+
+
+def eval_under_no_grad(name):
+    """Forwards under torch.no_grad() between training steps (an evaluation)
+    leave no trace in the backward's bookkeeping: on every rank, and, where
+    every rank holds whole parameters, on rank 0 alone through model.module
+    (as torch DDP users evaluate), the next training step is torch's."""
+    failures, where = [], f"{name} world {dist.get_world_size()}"
+    ref, ref_opt = make_torch()
+    model, opt = make_tiny(name)
+    for step in range(3):
+        with torch.no_grad():
+            model(*my_rows(global_batch(10 + step)))
+            if model.module_values_whole and dist.get_rank() == 0:
+                model.module(*my_rows(global_batch(20 + step)))
+        if model.used:
+            failures.append(f"{where} step {step}: a forward under no_grad was recorded for a backward")
+        for m, o in ((ref, ref_opt), (model, opt)):
+            run_loop(m, o, "plain", step, distributed=m is model)
+            o.step()
+            o.zero_grad()
+        state = model.full_state_dict()
+        failures += [f"{where} step {step}: {key} differs by {(state[key] - want).abs().max():.2e}"
+                     for key, want in ref.state_dict().items()
+                     if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
+    return failures

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tiny_zero.module import Conv1D, Embedding, LayerNorm, Linear, RMSNorm, layer_classes, swap_layers
+from tiny_zero.module import Conv1D, Embedding, LayerNorm, Linear, RMSNorm, layer_classes, layers, swap_layers
 
 SHAPES = {2: (5, 7), 3: (2, 3, 7), 4: (2, 2, 3, 7)}
 
@@ -308,21 +308,59 @@ def test_frozen_parameters_get_no_grad():
 
 def test_parameters_go_to_autograd_only_where_the_input_needs_them():
     """A layer whose input requires grad is linked in autograd's graph to that
-    input alone: a parameter would add a node that the engine visits in every
-    backward for nothing (the grads go through accumulate_grad). Where the
-    input does not require grad (indices, a first layer's input), the trained
-    parameters make the output require grad."""
+    input and to one leaf that all layers share (it tells a backward that fills
+    p.grad from torch.autograd.grad): a parameter would add a node that the
+    engine visits in every backward for nothing (the grads go through
+    accumulate_grad). Where the input does not require grad (indices, a first
+    layer's input), the trained parameters make the output require grad."""
     torch.manual_seed(0)
     emb, ln, fc = swap_layers(nn.Sequential(nn.Embedding(11, 6), nn.LayerNorm(6), nn.Linear(6, 3)))
     h = emb(torch.randint(0, 11, (3, 4)))
-    assert [type(f).__name__ for f, _ in h.grad_fn.next_functions[1:]] == ["AccumulateGrad"]
+    linked = [f for f, _ in h.grad_fn.next_functions]
+    assert linked[1] is layers._LEAF_NODE and [type(f).__name__ for f in linked[2:]] == ["AccumulateGrad"]
     for layer, y in ((ln, ln(h)), (fc, fc(h.detach().requires_grad_()))):
-        assert len(y.grad_fn.next_functions) == 1, type(layer).__name__
+        assert [f for f, _ in y.grad_fn.next_functions][1:] == [layers._LEAF_NODE], type(layer).__name__
     ln.bias.requires_grad_(False)
     y = ln(torch.randn(3, 6))
-    assert y.requires_grad and len(y.grad_fn.next_functions) == 2  # x's slot (no grad) and the weight
+    assert y.requires_grad and len(y.grad_fn.next_functions) == 3  # x's slot (no grad), the leaf, the weight
     y.sum().backward()
     assert ln.weight.grad is not None and ln.bias.grad is None
+    ln.weight.requires_grad_(False)
+    assert not ln(torch.randn(3, 6)).requires_grad  # nothing trains, nothing requires grad: as torch's
+
+
+def test_autograd_grad_of_an_input_leaves_the_parameters_alone():
+    """torch.autograd.grad(out, x) and backward(inputs=[x]) give x's grad and
+    leave every p.grad alone, as torch's layers do; a loss.backward() after
+    them fills p.grad as torch's. A backward with create_graph=True (a
+    gradient penalty) is refused: the hand-written backward is not
+    differentiable. Under torch.no_grad() nothing is recorded."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.RMSNorm(8), nn.Tanh(), nn.Linear(8, 3))
+    mine = swap_layers(copy.deepcopy(ref))
+    conv = Conv1D(4, 5)
+    x = torch.randn(2, 3, 5, requires_grad=True)
+    for model in (ref, mine):
+        (grad_x,) = torch.autograd.grad(model(x).square().sum(), x)
+        model(x).square().sum().backward(inputs=[x])
+        torch.testing.assert_close(x.grad, grad_x)
+        x.grad = None
+        if model is mine:
+            torch.testing.assert_close(grad_x, want, atol=1e-6, rtol=1e-6)
+        want = grad_x
+    (grad_x,) = torch.autograd.grad(conv(x).sum(), x)
+    torch.testing.assert_close(grad_x, conv.weight.sum(1).expand_as(x))  # dx = dy Wᵀ with dy = 1
+    assert all(p.grad is None for p in [*mine.parameters(), *conv.parameters()])
+    for model in (ref, mine):
+        model(x).square().sum().backward()
+    for (name, r), m in zip(ref.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(m.grad, r.grad, atol=1e-6, rtol=1e-6, msg=name)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(mine(x).sum(), x, create_graph=True)
+    with torch.no_grad():
+        out = mine(x)
+    assert out.grad_fn is None and not out.requires_grad
+    torch.testing.assert_close(out, ref(x), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])

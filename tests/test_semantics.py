@@ -10,7 +10,9 @@ model and the optimizer, p.grad and torch's clip_grad_norm_, fp16 with a plain
 loss.backward(), autocast and torch.compile, a grad hook on a parameter
 refused, torch's amsgrad and maximize refused, model.module.state_dict() and
 load_state_dict(), a second backward through one forward refused, p.grad set
-to None outside zero_grad(), a parameter written in place after wrapping. Ranks that disagree (no_sync on
+to None outside zero_grad(), torch.autograd.grad and create_graph refused,
+evaluation under no_grad (on rank 0 alone too), a parameter written in place
+after wrapping. Ranks that disagree (no_sync on
 one rank, a layer used on one rank) end in tiny_zero's error on every rank,
 and every process exits non-zero in time."""
 import os
@@ -41,6 +43,8 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("module_state_dicts", "each", ("module_state_dicts", ALL)),
           ("second_backward", "each", ("second_backward_refused", ALL)),
           ("grads_cleared", "each", ("grads_cleared_outside_zero_grad", ALL)),
+          ("autograd_grad", "each", ("autograd_grad_refused", ALL)),
+          ("eval", "each", ("eval_under_no_grad", ALL)),
           ("in_place_writes", "each", ("in_place_writes", [n for n in ALL if n != "zero3"])),
           ("no_sync_then_step", "each", ("step_after_only_no_sync", ["zero1"]))]
 

@@ -46,7 +46,7 @@ from .distributed import init_distributed, local_device
 from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash
 from .materialize import full_value, set_data
 from .module import (CallbackLayer, check_no_grad_hooks, check_supported, expects_backward, has_grad_hook,
-                     in_backward_pass, swap_layers)
+                     in_backward_pass, recorded, swap_layers)
 from .module import layer_classes as module_layer_classes
 from .optim import adamw_update_
 from .optim.adamw import check_group, check_hparams, check_options
@@ -81,11 +81,16 @@ class StrategyLayer:
     def forward_callback(self, ctx, x):
         comm.where = f"{self.path} forward"
         if expects_backward(ctx):
-            self.wrapper.expect_grads(self)
+            self.wrapper.expect_grads(self, recorded(ctx))
         return super().forward_callback(ctx, x)
 
     def backward_callback(self, ctx, grad_out):
         comm.where = f"{self.path} backward"
+        if not ctx.param_grads:  # before any collective of this pass: every rank raises alike
+            raise RuntimeError(f"{self.path}: torch.autograd.grad (or backward(inputs=...)) through a strategy's "
+                               "layers: each layer's backward hands its parameters' grads to the strategy, which "
+                               "cannot leave them out as torch does; call loss.backward() (an input that requires "
+                               "grad gets its x.grad) and keep the grads you need")
         if getattr(ctx, "backward_ran", False):  # before any collective of this pass: every rank raises alike
             raise RuntimeError(f"{self.path}: a second backward through the same forward (backward(retain_graph="
                                "True), then backward again): a strategy sends each layer's grads once per forward, "
@@ -373,12 +378,16 @@ class Wrapper(WrapperStateDicts, nn.Module):
         finally:
             self.require_grad_sync = True
 
-    def expect_grads(self, layer):
-        """A layer's forward that a backward will follow."""
+    def expect_grads(self, layer, recorded):
+        """A layer's forward that a backward may follow. The ranks agree on the
+        layers of recorded forwards only: one under no_grad may be an
+        evaluation on one rank (a reentrant checkpoint's, which backward
+        recomputes, is one too), whose uses only hold its buckets back."""
         if self.in_backward and not in_backward_pass():
             self.in_backward = False  # a backward that raised never reached backward_done
         self.buckets.used_in_forward(layer.trained)
-        self.used.append(layer.index)
+        if recorded:
+            self.used.append(layer.index)
 
     def backward_started(self):
         """The first layer backward of a backward pass: every rank agrees it

@@ -16,7 +16,8 @@ each gradient away as soon as it is final. The parameters are passed to the
 Function only so that autograd knows the output needs a backward, and only
 where the input does not already tell it; their grads are delivered by
 accumulate_grad, never by autograd, so a strategy decides where a gradient
-lives.
+lives. One leaf that all layers share is passed too: it tells a backward
+that fills p.grad (loss.backward()) from torch.autograd.grad, which does not.
 """
 import math
 
@@ -33,10 +34,31 @@ def in_backward_pass():
 
 
 def expects_backward(ctx):
-    """A forward that a backward will follow: not under no_grad, and not a
-    recompute inside backward (activation checkpointing), whose parameters
-    get no extra grad contribution."""
+    """A forward that a backward may follow: an input requires grad, and it is
+    not a recompute inside backward (activation checkpointing), whose
+    parameters get no extra grad contribution. Under torch.no_grad() too: a
+    reentrant checkpoint runs its block's forward so, and backward recomputes it."""
     return any(ctx.needs_input_grad) and not in_backward_pass()
+
+
+def recorded(ctx):
+    """autograd recorded this forward: a backward through it can follow (not
+    so under torch.no_grad(), an evaluation's forward)."""
+    return bool(ctx.next_functions)
+
+
+# A leaf that every layer's Function takes as an input where autograd records
+# it. Its AccumulateGrad node runs in a backward pass that fills every leaf's
+# .grad (loss.backward()), not in torch.autograd.grad(out, x) or
+# backward(inputs=...), where torch's own layers leave p.grad alone.
+_LEAF = torch.zeros((), device="cpu", requires_grad=True)
+_LEAF_NODE = torch.autograd.graph.get_gradient_edge(_LEAF).node  # held, so the leaf keeps this one node
+
+
+def fills_param_grads():
+    """In a layer's backward: True under loss.backward(), False under
+    torch.autograd.grad or backward(inputs=...)."""
+    return torch._C._will_engine_execute_node(_LEAF_NODE)
 
 
 def has_grad_hook(param):
@@ -70,6 +92,11 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # before any collective: every rank raises alike
+            raise RuntimeError(f"{type(ctx.layer).__name__}: a backward with create_graph=True (a gradient penalty, "
+                               "a double backward) is not supported: tiny_zero's layers compute their backward by "
+                               "hand, and it cannot be differentiated again")
+        ctx.param_grads = fills_param_grads()  # False: the caller wants other grads than the parameters'
         # Unpack the saved tensors first, once. Under activation checkpointing
         # this is what recomputes the block, whose forward callbacks gather and
         # free parameters on their own: that must end before this layer's
@@ -101,9 +128,10 @@ class CallbackLayer:
         # grad (an embedding's indices, a first layer's input): each one passed
         # is a node that autograd's engine visits in every backward, for nothing
         params = () if x.requires_grad else self.autograd_params()
+        inputs = (_LEAF, *params) if x.requires_grad or params else ()  # nothing that requires grad: none recorded
         if torch._C._are_functorch_transforms_active():
-            return LayerFunction.apply(self, x, *params)
-        return _apply(self, x, *params)
+            return LayerFunction.apply(self, x, *inputs)
+        return _apply(self, x, *inputs)
 
     def autograd_params(self):
         """The parameters that require grad."""
@@ -136,16 +164,17 @@ class Linear(CallbackLayer, nn.Linear):
         weight, bias = self.weight, self.bias
         grad_x = grad_out @ weight if ctx.needs_input_grad[1] else None  # dx = dy W
         dy = _rows(grad_out, self.out_features)
-        if weight.requires_grad:
+        if trains(ctx, weight):
             self.accumulate_grad(weight, dy.t() @ _rows(x, self.in_features))  # dW = dyᵀ x
-        if trains(bias):
+        if trains(ctx, bias):
             self.accumulate_grad(bias, dy.sum(0))  # db = Σ dy
         return grad_x
 
 
-def trains(param):
-    """A parameter that exists and requires grad: only those get a grad computed."""
-    return param is not None and param.requires_grad
+def trains(ctx, param):
+    """A parameter that exists, requires grad, and whose grad this backward
+    fills: only those get a grad computed."""
+    return param is not None and param.requires_grad and ctx.param_grads
 
 
 def _stats_dtype(x):
@@ -178,7 +207,7 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
     def backward_callback(self, ctx, grad_out):
         x, mean, rstd = ctx.saved
         if ctx.fused:
-            needs = (ctx.needs_input_grad[1], trains(self.weight), trains(self.bias))
+            needs = (ctx.needs_input_grad[1], trains(ctx, self.weight), trains(ctx, self.bias))
             grad_x, grad_w, grad_b = fused.layer_norm_backward(grad_out, x, self.weight, self.bias, mean, rstd, needs)
             self._accumulate(grad_w, grad_b)
             return grad_x
@@ -186,8 +215,11 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
         width = self.weight.numel() if self.weight is not None else None
         xhat = (x.to(mean.dtype) - mean) * rstd
         dy = grad_out.to(mean.dtype)
-        grad_w = _rows(dy * xhat, width).sum(0).view_as(self.weight) if trains(self.weight) else None  # dγ = Σ dy x̂
-        grad_b = _rows(dy, width).sum(0).view_as(self.bias) if trains(self.bias) else None  # dβ = Σ dy
+        grad_w = grad_b = None
+        if trains(ctx, self.weight):
+            grad_w = _rows(dy * xhat, width).sum(0).view_as(self.weight)  # dγ = Σ dy x̂
+        if trains(ctx, self.bias):
+            grad_b = _rows(dy, width).sum(0).view_as(self.bias)  # dβ = Σ dy
         self._accumulate(grad_w, grad_b)
         if not ctx.needs_input_grad[1]:
             return None
@@ -245,7 +277,7 @@ class RMSNorm(CallbackLayer, nn.RMSNorm):
     def backward_callback(self, ctx, grad_out):
         x, rstd = ctx.saved
         if ctx.fused:
-            needs = (ctx.needs_input_grad[1], trains(self.weight))
+            needs = (ctx.needs_input_grad[1], trains(ctx, self.weight))
             grad_x, grad_w = fused.rms_norm_backward(grad_out, x, self.weight, rstd, needs, self.cast_before_scale,
                                                      self.weight_offset)
             if grad_w is not None:
@@ -257,12 +289,12 @@ class RMSNorm(CallbackLayer, nn.RMSNorm):
             g = grad_out.to(rstd.dtype)
         elif self.cast_before_scale:  # y = w h with h = cast(x̂)
             h = xhat.to(x.dtype)
-            if trains(self.weight):  # dw = Σ dy h
+            if trains(ctx, self.weight):  # dw = Σ dy h
                 self.accumulate_grad(self.weight, _rows(grad_out * h, width).sum(0).view_as(self.weight))
             g = (grad_out * self.weight).to(x.dtype).to(rstd.dtype)  # dh = dy w, rounded to h's dtype as autograd does
         else:  # y = cast(x̂ s) with s = w + offset in fp32
             dy = grad_out.to(rstd.dtype)
-            if trains(self.weight):  # dw = Σ dy x̂
+            if trains(ctx, self.weight):  # dw = Σ dy x̂
                 self.accumulate_grad(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))
             g = dy * self._scale(dy.dtype)
         if not ctx.needs_input_grad[1]:
@@ -281,7 +313,7 @@ class Embedding(CallbackLayer, nn.Embedding):
         return self.weight.index_select(0, idx.reshape(-1)).view(*idx.shape, self.embedding_dim)  # a row lookup
 
     def backward_callback(self, ctx, grad_out):
-        if not self.weight.requires_grad:
+        if not trains(ctx, self.weight):
             return None
         (idx,) = ctx.saved
         grad_w = torch.zeros(self.weight.shape, dtype=grad_out.dtype, device=grad_out.device)
@@ -317,8 +349,8 @@ class Conv1D(CallbackLayer, nn.Module):
         (x,) = ctx.saved
         grad_x = grad_out @ self.weight.t() if ctx.needs_input_grad[1] else None  # dx = dy Wᵀ
         dy = _rows(grad_out, self.nf)
-        if self.weight.requires_grad:
+        if trains(ctx, self.weight):
             self.accumulate_grad(self.weight, _rows(x, self.nx).t() @ dy)  # dW = xᵀ dy, [in, out]
-        if self.bias.requires_grad:
+        if trains(ctx, self.bias):
             self.accumulate_grad(self.bias, dy.sum(0))  # db = Σ dy
         return grad_x
