@@ -122,6 +122,14 @@ def refused(call, expected, what, error=RuntimeError):
     return [f"{what} went on without an error"]
 
 
+def differs_from_torch(where, model, ref):
+    """A failure for each parameter of `model` (full values) not within
+    tolerance of the torch model `ref`'s."""
+    state = model.full_state_dict()
+    return [f"{where}: {key} differs by {(state[key] - want).abs().max():.2e}"
+            for key, want in ref.state_dict().items() if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
+
+
 def training_loop(name, loop):
     """Frozen, never-used and alternate-step layers, param groups, a LambdaLR
     warm-up, and the loop's way of accumulating: every step's loss and every
@@ -551,10 +559,7 @@ def grads_cleared_outside_zero_grad(name):
                     p.grad = None
         if abs(norms[1].item() - norms[0].item()) > ATOL + RTOL * norms[0].item():
             failures.append(f"{where} step {step}: grad norm {norms[1].item()} vs torch {norms[0].item()}")
-        state = model.full_state_dict()
-        failures += [f"{where} step {step}: {key} differs by {(state[key] - want).abs().max():.2e}"
-                     for key, want in ref.state_dict().items()
-                     if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
+        failures += differs_from_torch(f"{where} step {step}", model, ref)
     return failures
 
 
@@ -576,10 +581,7 @@ def autograd_grad_refused(name):
     for m, o in ((ref, ref_opt), (model, opt)):
         run_loop(m, o, "plain", 0, distributed=m is model)
         o.step()
-    state = model.full_state_dict()
-    return failures + [f"{where}: {key} differs by {(state[key] - want).abs().max():.2e} after the refusals"
-                       for key, want in ref.state_dict().items()
-                       if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
+    return failures + differs_from_torch(f"{where} after the refusals", model, ref)
 
 
 def eval_under_no_grad(name):
@@ -601,8 +603,5 @@ def eval_under_no_grad(name):
             run_loop(m, o, "plain", step, distributed=m is model)
             o.step()
             o.zero_grad()
-        state = model.full_state_dict()
-        failures += [f"{where} step {step}: {key} differs by {(state[key] - want).abs().max():.2e}"
-                     for key, want in ref.state_dict().items()
-                     if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
+        failures += differs_from_torch(f"{where} step {step}", model, ref)
     return failures
