@@ -605,3 +605,23 @@ def eval_under_no_grad(name):
             o.zero_grad()
         failures += differs_from_torch(f"{where} step {step}", model, ref)
     return failures
+
+
+class OutsideNet(LoopNet):
+    """LoopNet whose LayerNorm weight is used once more, outside its layer."""
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        h = h + self.fc2(torch.tanh(self.fc1(self.ln(h)))) * self.ln.weight
+        return F.cross_entropy(self.head(h).view(-1, VOCAB), targets.reshape(-1))
+
+
+def parameter_used_outside_its_layer(name):
+    """A parameter used outside the layer that holds it gets that use's grad
+    from autograd, which no strategy sees: the backward raises on every rank,
+    naming it (ddp stepped with that part of the grad alone, without a word)."""
+    torch.manual_seed(0)
+    wrapper_cls, _ = tiny_zero.STRATEGIES[name]
+    model = wrapper_cls(OutsideNet(), **({} if name == "fsdp" else {"bucket_bytes": 200}))
+    return refused(lambda: model(*my_rows(global_batch(0))).backward(), "ln.weight got a grad from autograd",
+                   f"{name}: a parameter used outside its layer")

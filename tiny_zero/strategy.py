@@ -160,6 +160,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
         self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
         self.showing = set()  # the parameters whose p.grad backward_done set, until zero_grad
+        self.assigned = {}  # parameter -> (its p.grad, version) set by the user, as a backward began
         self.versions = param_versions(self.named_params)  # in-place writes move them (adopt_param_writes)
 
     # ------------------------------------------------------------ hooks
@@ -396,6 +397,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         if self.in_backward:
             return
         self.forget_cleared_grads()
+        self.remember_assigned_grads()
         self.agree_refusing_hooks("this backward pass", self.trainable, wait=False,  # checked before its first collective
                                   step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
                                   layers_used_in_forward=sequence_hash(self.used))
@@ -421,6 +423,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         comm.where = "the end of the backward pass"
         self.in_backward = False
         self.settle()
+        self.refuse_grads_from_autograd()  # before the collectives: every rank raises alike
         if self.syncing:
             self.reduce_grads()  # the strategy: wait, average into model.grads
             for p in self.buckets.got_grad:
@@ -461,6 +464,27 @@ class Wrapper(WrapperStateDicts, nn.Module):
         cleared = [p for p in self.showing if p.grad is None]
         if cleared:
             self.zero_grad(params=cleared)
+
+    def remember_assigned_grads(self):
+        """The p.grad tensors that the wrapper did not make, as a backward
+        begins (assigned by the user: ddp steps with them, as torch would)."""
+        self.assigned = {p: (p.grad, p.grad._version) for p in self.trainable
+                         if p.grad is not None and p.grad is not self.shown.get(p)}
+
+    def refuse_grads_from_autograd(self):
+        """A p.grad that autograd made or added to in this backward: the
+        parameter was used outside its layer (F.linear(x, layer.weight),
+        x * norm.weight), where no strategy sees its grad, and it would be
+        stepped without it (zero3 and fsdp even computed with a released
+        parameter there)."""
+        for p in self.trainable:
+            grad = p.grad
+            if grad is None or grad is self.shown.get(p) or self.assigned.get(p) == (grad, grad._version):
+                continue
+            raise RuntimeError(f"{self.name_of[p]} got a grad from autograd: it was used outside the layer that "
+                               "holds it (as in F.linear(x, layer.weight) or x * norm.weight), where the strategy "
+                               "neither gathers it nor sees its grad; use it through its layer (a tied nn.Linear "
+                               "head, as GPT-2's), or give the other use a parameter of its own")
 
     @torch.no_grad()
     def clear_some_grads(self, params, set_to_none):
