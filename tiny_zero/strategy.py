@@ -478,8 +478,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
         stepped without it (zero3 and fsdp even computed with a released
         parameter there)."""
         for p in self.trainable:
-            grad = p.grad
-            if grad is None or grad is self.shown.get(p) or self.assigned.get(p) == (grad, grad._version):
+            grad, before = p.grad, self.assigned.get(p, (None, None))
+            if grad is None or grad is self.shown.get(p) or (grad is before[0] and grad._version == before[1]):
                 continue
             raise RuntimeError(f"{self.name_of[p]} got a grad from autograd: it was used outside the layer that "
                                "holds it (as in F.linear(x, layer.weight) or x * norm.weight), where the strategy "
