@@ -625,3 +625,32 @@ def parameter_used_outside_its_layer(name):
     model = wrapper_cls(OutsideNet(), **({} if name == "fsdp" else {"bucket_bytes": 200}))
     return refused(lambda: model(*my_rows(global_batch(0))).backward(), "ln.weight got a grad from autograd",
                    f"{name}: a parameter used outside its layer")
+
+
+def clipping_as_torch(name):
+    """What reads or adds to the grads after model.clip_grad_norm_ sees them
+    clipped, as after torch's clip_grad_norm_: a second clip (its norm), a
+    second step after one backward, a backward without zero_grad before it,
+    a backward between the clip and the step. Norms and parameters equal
+    torch's after every step."""
+    failures, where = [], f"{name} world {dist.get_world_size()}"
+    ref, ref_opt = make_torch()
+    model, opt = make_tiny(name)
+    for step in range(3):
+        norms = []
+        for m, o, clip in ((ref, ref_opt, lambda: nn.utils.clip_grad_norm_(ref.parameters(), 0.3)),
+                           (model, opt, lambda: model.clip_grad_norm_(0.3))):
+            run_loop(m, o, "plain", step, distributed=m is model)
+            norms += [clip(), clip()]  # the second: of the clipped grads
+            if step == 2:
+                run_loop(m, o, "plain", step + 10, distributed=m is model)  # added to the clipped grads
+            o.step()
+            if step == 0:
+                o.step()  # with the same, clipped, grads
+            else:
+                o.zero_grad()  # step 0's grads carry into step 1, clipped
+        for mine, torchs in zip(norms[2:], norms[:2]):
+            if abs(mine.item() - torchs.item()) > ATOL + RTOL * torchs.item():
+                failures.append(f"{where} step {step}: grad norm {mine.item()} vs torch {torchs.item()}")
+        failures += differs_from_torch(f"{where} step {step}", model, ref)
+    return failures

@@ -12,7 +12,8 @@ refused, torch's amsgrad and maximize refused, model.module.state_dict() and
 load_state_dict(), a second backward through one forward refused, p.grad set
 to None outside zero_grad(), torch.autograd.grad and create_graph refused,
 evaluation under no_grad (on rank 0 alone too), a parameter used outside its
-layer refused, a parameter written in place after wrapping. Ranks that disagree (no_sync on
+layer refused, grads read or added to after a clip, a parameter written in
+place after wrapping. Ranks that disagree (no_sync on
 one rank, a layer used on one rank) end in tiny_zero's error on every rank,
 and every process exits non-zero in time."""
 import os
@@ -46,6 +47,7 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("autograd_grad", "each", ("autograd_grad_refused", ALL)),
           ("eval", "each", ("eval_under_no_grad", ALL)),
           ("outside_its_layer", "each", ("parameter_used_outside_its_layer", ALL)),
+          ("clipping", "each", ("clipping_as_torch", ALL)),
           ("in_place_writes", "each", ("in_place_writes", [n for n in ALL if n != "zero3"])),
           ("no_sync_then_step", "each", ("step_after_only_no_sync", ["zero1"]))]
 

@@ -396,8 +396,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         grad hooks), before any collective of it; the end of the pass is queued."""
         if self.in_backward:
             return
-        self.forget_cleared_grads()
-        self.remember_assigned_grads()
+        self.before_backward()
         self.agree_refusing_hooks("this backward pass", self.trainable, wait=False,  # checked before its first collective
                                   step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
                                   layers_used_in_forward=sequence_hash(self.used))
@@ -406,6 +405,14 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.used.clear()
         self.backwards += 1
         torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)  # at the pass's end
+
+    def before_backward(self):
+        """What was done to the grads since the last backward, taken in as
+        torch has it before this one adds to them: a p.grad set to None
+        clears that grad, one assigned is remembered, a clip is applied."""
+        self.forget_cleared_grads()
+        self.remember_assigned_grads()
+        self.apply_clip()  # grads kept from before a clip (no zero_grad) add up clipped, as torch's
 
     def agree_refusing_hooks(self, what, params, wait=True, **values):
         """comm.agree on `values` and on how many of `params` have a grad hook,
@@ -449,6 +456,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             elif p.grad is not None and not isinstance(p.grad, ShardedGrad):
                 p.grad.zero_()
         if set(params).issuperset(self.trainable):
+            self.clip_coef = 1.0  # nothing left to clip
             self.clear_grads(set_to_none)
             self.buckets.clear(keep_got_grad=not set_to_none)
             if set_to_none:
@@ -546,9 +554,23 @@ class Wrapper(WrapperStateDicts, nn.Module):
         scale, in the pass that reads the grads."""
         comm.where = "clip_grad_norm_"
         self.forget_cleared_grads()
+        self.apply_clip()  # a second clip sees the grads of the first, as torch's
         total_norm = self.grad_square_sum().sqrt() / self.loss_scale
         self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()
         return total_norm
+
+    @torch.no_grad()
+    def apply_clip(self):
+        """Multiply the clip coefficient into model.grads, and forget it. The
+        optimizer's kernel applies it as it reads the grads, and it stays
+        pending after the step (a second step uses the clipped grads, as in
+        torch); whatever else reads or adds to the grads after a clip (a
+        second clip, a backward before zero_grad) gets them as torch's
+        clip_grad_norm_ leaves them: clipped, at the cost of this one pass."""
+        if self.clip_coef != 1.0:
+            for g in self.grads.values():
+                g.mul_(self.clip_coef)
+            self.clip_coef = 1.0
 
     def grad_square_sum(self):
         """The sum of the squares of the model's averaged grads, every element
@@ -692,7 +714,6 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         else:
             self._update(stepping, model.grad_scale())
             model.sync_params()
-        model.clip_coef = 1.0
         model.steps += 1
         model.backwards = 0
         return loss

@@ -148,8 +148,7 @@ class Pipeline(Wrapper):
         # a train step: every rank checks every parameter for grad hooks, its stage's or not
         hook_checked = [p for _, p in self.named_params] if torch.is_grad_enabled() else []
         if hook_checked:
-            self.forget_cleared_grads()
-            self.remember_assigned_grads()
+            self.before_backward()
         self.agree_refusing_hooks(f"this {what}", hook_checked, step=self.steps, grad=int(torch.is_grad_enabled()),
                                   no_sync=int(not self.require_grad_sync),
                                   shapes=crc([tuple(x.shape), tuple(y.shape)]))
