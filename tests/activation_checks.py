@@ -18,7 +18,7 @@ def batch(step):
 
 
 def reentrant(module):
-    """Each block under torch's reentrant checkpoint (Hugging Face's default):
+    """Each block under torch's reentrant checkpoint (use_reentrant=True, transformers 4's default):
     its forward runs under no_grad, and backward runs it again."""
     for block in module.blocks:
         block.forward = lambda x, forward=block.forward: checkpoint(forward, x, use_reentrant=True)
