@@ -164,12 +164,10 @@ def training_loop(name, loop):
         trainable = sum(b.numel for b in model.buckets)
         if sent > trainable * LOOPS[loop][0]:
             failures.append(f"{where} step {step}: {sent} grad elements sent, more than the trainable ones")
+        failures += differs_from_torch(f"{where} step {step}", model, ref)
         state = model.full_state_dict()
-        for key, want in ref.state_dict().items():
-            if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL):
-                failures.append(f"{where} step {step}: {key} differs by {(state[key] - want).abs().max():.2e}")
-            if key.startswith(("frozen.", "unused.")) and not torch.equal(state[key], initial[key]):
-                failures.append(f"{where} step {step}: {key} moved (frozen or never used)")
+        failures += [f"{where} step {step}: {key} moved (frozen or never used)" for key in ref.state_dict()
+                     if key.startswith(("frozen.", "unused.")) and not torch.equal(state[key], initial[key])]
     return failures
 
 
@@ -197,10 +195,7 @@ def add_param_group_and_set_to_none_false(name):
             run_loop(m, o, "plain", step, dist_)
             o.step()
             o.zero_grad(set_to_none=False)
-        state = model.full_state_dict()
-        for key, want in ref.state_dict().items():
-            if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL):
-                failures.append(f"{where} step {step}: {key} differs by {(state[key] - want).abs().max():.2e}")
+        failures += differs_from_torch(f"{where} step {step}", model, ref)
     return failures
 
 

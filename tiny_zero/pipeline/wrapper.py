@@ -147,7 +147,7 @@ class Pipeline(Wrapper):
                                  f"microbatches={self.microbatches} does not divide: the micro-batches are equal")
         # a train step: every rank checks every parameter for grad hooks, its stage's or not
         hook_checked = [p for _, p in self.named_params] if torch.is_grad_enabled() else []
-        if hook_checked:
+        if torch.is_grad_enabled():  # a train step: its backward passes add to the grads
             self.before_backward()
         self.agree_refusing_hooks(f"this {what}", hook_checked, step=self.steps, grad=int(torch.is_grad_enabled()),
                                   no_sync=int(not self.require_grad_sync),
