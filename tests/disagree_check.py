@@ -3,6 +3,8 @@ tests/test_semantics.py: `python tests/disagree_check.py STRATEGY CASE`.
 
     no_sync   at step 2, rank 1 runs its backward inside no_sync(), rank 0 does not
     layer     at step 2, rank 1 uses a layer that rank 0 does not
+    step      at step 2, rank 1 sets a p.grad to None before the optimizer
+              step: the ranks would step different parameters
 
 Every rank must end in tiny_zero's error and exit non-zero; on success the
 script prints "no error" and exits 0. Each rank prints when it reaches step
@@ -39,6 +41,8 @@ def main():
                 loss.backward()
         else:
             loss.backward()
+        if case == "step" and odd:
+            next(model.module.parameters()).grad = None
         opt.step()
         opt.zero_grad()
     print("no error")

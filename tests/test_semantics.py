@@ -79,8 +79,8 @@ def free_port():
 TIMEOUT = 4  # seconds, the collective timeout in these runs
 
 
-@pytest.mark.parametrize("case", ["no_sync", "layer"])
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name,case", [(name, case) for name in ALL for case in ("no_sync", "layer")] +
+                         [("ddp", "step"), ("zero1", "step")])  # ddp defers its step's check, zero1 does not
 def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case):
     port = free_port()
     procs = []
@@ -102,4 +102,6 @@ def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case):
     for rank, (code, out, err, ended) in enumerate(outputs):
         assert code != 0, f"rank {rank} exited 0:\n{out}\n{err[-2000:]}"
         assert "DisagreementError" in err or "CollectiveError" in err, f"rank {rank}:\n{err[-3000:]}"
+        if case == "step":
+            assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
         assert ended - reached < TIMEOUT + 10, f"rank {rank} exited {ended - reached:.0f} s after the disagreement"

@@ -208,43 +208,74 @@ def _has_peers():
     return dist.get_world_size() > 1 and dist.get_backend() != "fake"
 
 
-def agree(what, group=None, wait=True, **values):
+def agree(what, group=None, wait=True, defer=False, **values):
     """Check that every rank (of `group`, one from new_group; default: the
     world) passed the same integers (one small all-reduce on the side group);
     raise DisagreementError, the same on every rank, if not. wait=False: the
     check is sent now and settled before this rank's next collective (or its
-    next agree that waits), so its all-reduce runs while the rank computes."""
+    next agree that waits), so its all-reduce runs while the rank computes.
+    defer=True: not sent on its own; its values go out with this rank's next
+    agree on the same group, or before its next collective if that comes
+    first: one all-reduce for two checks."""
     if not _has_peers() or (group is not None and dist.get_world_size(group) < 2):
+        return
+    if defer:
+        _deferred.append((group, what, values))
         return
     if wait:  # the earlier ones first: should one of them raise, nothing of this one is in flight
         settle_agreements()
-    names = list(values)
-    # bookkeeping, not the model's memory: out of sight of tensor-counting modes
-    # (whose counts gloo's worker thread would otherwise race when it lets go)
-    with _disable_current_modes():
-        everyone = torch.tensor([values[n] for n in names] + [-values[n] for n in names], dtype=torch.int64)
-        side = _side_groups[dist.group.WORLD if group is None else group]
-        work = dist.all_reduce(everyone, op=dist.ReduceOp.MAX, group=side, async_op=True)
-    _unsettled.append((Pending(work, f"the agreement on {what}", everyone), what, values, everyone))
+    _send(group, [(what, values)] + _take_deferred(group))
     if wait:
         settle_agreements()
 
 
-_unsettled = []  # agreements sent and not yet checked: (pending, what, values, result)
+_deferred = []  # agreements not sent yet: (group, what, values)
+_unsettled = []  # agreements sent and not yet checked: (pending, [(what, values), ...], result)
+
+
+def _take_deferred(group):
+    """The deferred agreements on `group`, taken out of the queue."""
+    taken = [(what, values) for g, what, values in _deferred if g is group]
+    _deferred[:] = [d for d in _deferred if d[0] is not group]
+    return taken
+
+
+def _send(group, checks):
+    """One all-reduce for `checks` ([(what, values), ...]): each value and its
+    negation, with MAX, so that every rank learns the largest and the smallest."""
+    numbers = [v for _, values in checks for v in values.values()]
+    named = checks[0][0] + "".join(f" (with {what})" for what, _ in checks[1:])
+    # bookkeeping, not the model's memory: out of sight of tensor-counting modes
+    # (whose counts gloo's worker thread would otherwise race when it lets go)
+    with _disable_current_modes():
+        everyone = torch.tensor(numbers + [-v for v in numbers], dtype=torch.int64)
+        side = _side_groups[dist.group.WORLD if group is None else group]
+        work = dist.all_reduce(everyone, op=dist.ReduceOp.MAX, group=side, async_op=True)
+    _unsettled.append((Pending(work, f"the agreement on {named}", everyone), checks, everyone))
 
 
 def settle_agreements():
-    """Wait for the agreements sent so far and check them, in the order sent."""
+    """Send the deferred agreements, then wait for every agreement sent so far
+    and check them, in the order sent."""
+    while _deferred:
+        group = _deferred[0][0]
+        _send(group, _take_deferred(group))
     while _unsettled:
-        pending, what, values, everyone = _unsettled.pop(0)
+        pending, checks, everyone = _unsettled.pop(0)
         with _disable_current_modes():
             pending.wait()
-        n, names = len(values), list(values)
-        differ = [f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {values[name]})"
-                  for i, name in enumerate(names) if everyone[i] != -everyone[n + i]]
+        differ, i, n = [], 0, len(everyone) // 2
+        for what, values in checks:
+            ranges = []
+            for name, value in values.items():
+                if everyone[i] != -everyone[n + i]:
+                    ranges.append(f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {value})")
+                i += 1
+            if ranges:
+                differ.append(f"{what}: {'; '.join(ranges)}")
         if differ:
             _unsettled.clear()
-            raise DisagreementError(f"ranks disagree on {what}: {'; '.join(differ)}. Every rank must run the same "
+            raise DisagreementError(f"ranks disagree on {'; and on '.join(differ)}. Every rank must run the same "
                                     "forward, backward, no_sync() and optimizer steps")
 
 
@@ -345,9 +376,11 @@ class Buckets:
         self.list = buckets
         self.of = {p: b for b in buckets for p in b.params}
         self.dtype, self.device, self.flat = dtype, device, flat
+        self.slots = {}  # with a flat buffer: each parameter's view of it, made once
         if flat is not None:
             for b in buckets:
                 b.grads = b.range(flat)
+                self.slots.update((p, b.own_view(b.grads, p)) for p in b.params)
         self.got_grad = set()  # parameters that got a grad since clear()
         self.pending = defaultdict(int)  # parameter -> uses whose backward has not run yet
         self.waiting = {b: 0 for b in buckets}  # bucket -> parameters with pending uses
@@ -373,7 +406,7 @@ class Buckets:
         if self.flat is None:
             self.keep_part(bucket, param, grad)
         else:
-            slot = bucket.own_view(bucket.grads, param)
+            slot = self.slots[param]
             if param in self.got_grad:
                 slot.add_(grad)
             else:  # its place holds zeros (since clear()): a copy is the same sum, with one read less

@@ -114,6 +114,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
     layer_classes = None  # {torch layer class: this strategy's layer class}, from layer_classes(<Name>Layer)
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
     module_values_whole = True  # the module's parameters hold their whole values between steps (False: released, sliced)
+    # True: nothing is sent from a step to the next backward (ddp): the step's
+    # agreement goes out with that backward's, one round trip for both
+    quiet_until_backward = False
 
     def __init__(self, module, mixed_precision=None, reduce_dtype=None, loss_scaler=None, device=None):
         super().__init__()
@@ -530,7 +533,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
                 self.take_assigned_grad(name, p)
             stepping.append(p)
         comm.agree("the optimizer step", group=self.replica_group, wait=False, step=self.steps,  # before the next collective
-                   parameters=parameter_hash(self.param_names(), stepping))
+                   defer=self.quiet_until_backward, parameters=parameter_hash(self.param_names(), stepping))
         return stepping
 
     def take_assigned_grad(self, name, p):

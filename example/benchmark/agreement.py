@@ -8,15 +8,16 @@ Before the first collective of every backward pass and before every
 optimizer step, the ranks check that they are about to do the same thing
 (tiny_zero/strategy.py: Wrapper.backward_started and Wrapper.stepping); zero3
 and fsdp also check before gathering a layer that the recorded order did not
-predict (tiny_zero/comm.py: LayerOrder). Each check is one all-reduce of a few
-integers on a gloo side group.
+predict (tiny_zero/comm.py: GatherOrder). Each check is one all-reduce of a few
+integers on a gloo side group; ddp's step check goes out with the next
+backward's, in one.
 
 For each strategy, one model trains with the checks on and off, alternating
 step by step (on, off, off, on, ...), so that whatever else loads the machine
 falls on both alike. Each training step (forward, backward, clip_grad_norm_,
 step, zero_grad) is timed by the wall clock from a barrier to the last rank's
-end. Printed: the checks per step, the fastest and the median step with and
-without them, and the wall-clock time of one check alone. Rank 0 prints a
+end. Printed: the checks' round trips per step, the fastest and the median
+step with and without them, and the wall-clock time of one check alone. Rank 0 prints a
 markdown table.
 """
 import argparse
@@ -36,7 +37,7 @@ from example.model import CONFIGS, build_model
 from tiny_zero import comm
 from tiny_zero.distributed import local_device
 
-CHECK = comm.agree  # the real one
+CHECK, SEND = comm.agree, comm._send  # the real ones
 
 
 def parse_args():
@@ -54,19 +55,21 @@ def parse_args():
 
 
 @contextmanager
-def checks(on, calls=None):
-    """comm.agree as it is (on) or a no-op (off); with `calls`, count them."""
-    def counted(what, **values):
-        calls.append(what)
-        return CHECK(what, **values)
+def checks(on, sends=None):
+    """comm.agree as it is (on) or a no-op (off); with `sends`, list the
+    round trips the checks make (two checks may share one: agree's defer)."""
+    def counted(group, checks_sent):
+        sends.append([what for what, _ in checks_sent])
+        return SEND(group, checks_sent)
 
     def skipped(what, **values):
         pass
-    comm.agree = (counted if calls is not None else CHECK) if on else skipped
+    comm.agree = CHECK if on else skipped
+    comm._send = counted if sends is not None else SEND
     try:
         yield
     finally:
-        comm.agree = CHECK
+        comm.agree, comm._send = CHECK, SEND
 
 
 def batches(args, n, device):
@@ -114,7 +117,7 @@ def one_check(device, n=100, rounds=5):
 
 
 def measure(name, args):
-    """(checks per step, step times with the checks, without them)."""
+    """(round trips of the checks per step, step times with the checks, without them)."""
     wrapper, optimizer = tiny_zero.STRATEGIES[name]
     model = wrapper(build_model(args.model, seed=0))
     opt = optimizer(model, lr=1e-4)
@@ -145,7 +148,7 @@ def main():
         print(f"model {args.model}, {dist.get_world_size()} ranks, batch {args.batch_size}x{args.seq_len} per rank, "
               f"{args.steps} steps with the checks and {args.steps} without, alternating, wall clock; "
               f"one check alone: {alone * 1e6:.0f} us\n")
-        print("| strategy | checks per step | step with checks: fastest, median | without: fastest, median "
+        print("| strategy | check round trips per step | step with checks: fastest, median | without: fastest, median "
               "| with / without: fastest, median |")
         print("|---|---:|---:|---:|---:|")
         for name, (count, on, off) in zip(names, rows):

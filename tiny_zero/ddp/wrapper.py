@@ -20,6 +20,7 @@ from .layers import LAYER_CLASSES
 class DDP(Wrapper):
     layer_classes = LAYER_CLASSES
     grads_replicated = True
+    quiet_until_backward = True  # no collective in forward or step
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
