@@ -653,3 +653,28 @@ def clipping_as_torch(name):
                 failures.append(f"{where} step {step}: grad norm {mine.item()} vs torch {torchs.item()}")
         failures += differs_from_torch(f"{where} step {step}", model, ref)
     return failures
+
+
+def grad_scaler(name):
+    """torch.amp.GradScaler, as torch users write it (scale, backward,
+    unscale_, clip_grad_norm_ of the parameters, step, update): ddp, whose
+    p.grad is the whole averaged grad, trains as torch; the strategies that
+    keep grads sharded raise, naming the wrapper's fp16 loss scaler instead."""
+    where = f"{name} world {dist.get_world_size()}"
+    ref, ref_opt = make_torch()
+    model, opt = make_tiny(name)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for step in range(3):
+            (model.module if m is model else m).use_sometimes = step % 2 == 0
+            loss = m(*(my_rows(global_batch(step)) if m is model else global_batch(step)))
+            scaler.scale(loss).backward()
+            if name != "ddp" and m is model:
+                return refused(lambda: scaler.unscale_(o), "GradScaler unscales p.grad, which "
+                               f"{type(model).__name__} keeps sharded", f"{where}: GradScaler.unscale_")
+            scaler.unscale_(o)
+            nn.utils.clip_grad_norm_(m.parameters(), 0.3)
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    return differs_from_torch(where, model, ref)

@@ -58,7 +58,12 @@ class ShardedGrad(torch.Tensor):
         if func in cls.METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        strategy = next((a.strategy for a in args if isinstance(a, ShardedGrad)), "this strategy")
+        strategy = next((a.strategy for a in _flat(args) if isinstance(a, ShardedGrad)), "this strategy")
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            raise RuntimeError(
+                f"torch.amp.GradScaler unscales p.grad, which {strategy} keeps sharded across ranks: drop the "
+                f"GradScaler and wrap with mixed_precision='fp16', whose loss scaler does its work (scales the loss "
+                f"of loss.backward(), unscales in the optimizer step, skips a step with inf/nan grads on every rank)")
         raise RuntimeError(
             f"{strategy} keeps each averaged grad sharded across ranks, not in p.grad: clip with "
             "model.clip_grad_norm_(max_norm) (it returns the global norm), step with the strategy's "
@@ -67,3 +72,12 @@ class ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError("a sharded grad has no data (see ShardedGrad)")
+
+
+def _flat(args):
+    """The tensors of a call's arguments, lists opened (a foreach op takes lists of grads)."""
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a)
+        else:
+            yield a
