@@ -283,20 +283,28 @@ def grads_as_torch_sees_them(name):
 
 def fp16_loss_backward(name):
     """Under fp16, loss.backward() and model.backward(loss) train alike (the
-    loss scale enters where the output leaves the model)."""
+    loss scale enters where the output leaves the module), and a loss from
+    model.module(...) too (it used to reach the optimizer unscaled: steps
+    1/65536 of torch's, without a word); a backward that starts from a
+    submodule's output, which the scale never enters, is refused."""
     states = []
-    for plain in (True, False):
+    for way in ("loss.backward", "model.backward", "model.module"):
         model, opt = make_tiny(name, mixed_precision="fp16")
         for step in range(3):
             model.module.use_sometimes = True
-            loss = model(*my_rows(global_batch(step)))
-            loss.backward() if plain else model.backward(loss)
+            loss = (model.module if way == "model.module" else model)(*my_rows(global_batch(step)))
+            loss.backward() if way != "model.backward" else model.backward(loss)
             opt.step()
             opt.zero_grad()
         states.append(model.full_state_dict())
-    same = all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    same = all(torch.equal(states[0][k], other[k]) for other in states[1:] for k in states[0])
     moved = any(not torch.equal(states[0][k], make_torch()[0].state_dict()[k]) for k in states[0])
-    return [] if same and moved else [f"{name}: fp16 with loss.backward() differs from model.backward(loss)"]
+    failures = [] if same and moved else [f"{name}: fp16 with model.backward(loss) or model.module differs"]
+    x, y = my_rows(global_batch(0))
+    head = model.module.head
+    loss = F.cross_entropy(head(model.module.emb(x)).view(-1, head.out_features), y.reshape(-1))
+    return failures + refused(loss.backward, "does not start from the model's output",
+                              f"{name}: fp16 backward from a submodule's output")
 
 
 def autocast_and_compile(name):
@@ -678,3 +686,26 @@ def grad_scaler(name):
             scaler.update()
             o.zero_grad()
     return differs_from_torch(where, model, ref)
+
+
+def converted_after_wrapping(name):
+    """model.double(), model.module.to(torch.bfloat16) after wrapping are
+    refused (the strategy would step its own buffers while the module
+    computed with converted copies that never train: every parameter stayed
+    as it was, without a word); a conversion that changes nothing
+    (model.to("cpu", torch.float32) on an fp32 CPU model) is allowed, and
+    training goes on as torch's."""
+    where = f"{name} world {dist.get_world_size()}"
+    model, opt = make_tiny(name)
+    failures = refused(model.double, "converting the model after wrapping", f"{where}: model.double()")
+    failures += refused(lambda: model.module.to(torch.bfloat16), "converting the model after wrapping",
+                        f"{where}: model.module.to(torch.bfloat16)")
+    ref, ref_opt = make_torch()
+    model, opt = make_tiny(name)
+    model.to("cpu", torch.float32)
+    for step in range(2):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            run_loop(m, o, "plain", step, distributed=m is model)
+            o.step()
+            o.zero_grad()
+    return failures + differs_from_torch(where, model, ref)

@@ -49,6 +49,7 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("outside_its_layer", "each", ("parameter_used_outside_its_layer", ALL)),
           ("clipping", "each", ("clipping_as_torch", ALL)),
           ("grad_scaler", "each", ("grad_scaler", ALL)),
+          ("converted", "each", ("converted_after_wrapping", ALL)),
           ("in_place_writes", "each", ("in_place_writes", [n for n in ALL if n != "zero3"])),
           ("no_sync_then_step", "each", ("step_after_only_no_sync", ["zero1"]))]
 

@@ -100,6 +100,23 @@ class StrategyLayer:
         return super().backward_callback(ctx, grad_out)
 
 
+    def _apply(self, fn, recurse=True):
+        """What model.to(dtype or device), .half(), .double() and .cuda() run on
+        each module: refused on a wrapped layer where it would change a
+        parameter's dtype or device (fn is tried on an empty tensor like it)."""
+        for name, p in self._parameters.items():
+            if p is None or "wrapper" not in self.__dict__:  # the wrapper's own conversion, at wrap time
+                continue
+            converted = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+            if (converted.dtype, converted.device) != (p.dtype, p.device):
+                raise RuntimeError(f"{self.path}.{name}: converting the model after wrapping ({p.dtype} on {p.device} "
+                                   f"to {converted.dtype} on {converted.device}) would leave the strategy stepping "
+                                   "its own buffers while the module computes with the converted copies, which "
+                                   "never train; convert the module before wrapping it (the wrapper's device= "
+                                   "places it, mixed_precision= sets the dtype it computes in)")
+        return super()._apply(fn, recurse)
+
+
 def layer_classes(mixin):
     """A strategy's layers: for each tiny_zero layer, StrategyLayer, then the
     strategy's mixin, then the layer's math: Zero3Linear(StrategyLayer, Zero3Layer, Linear)."""
@@ -143,6 +160,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
             layer.path, layer.index = path, index
             layer.trained = [p for p in layer.parameters(recurse=False) if p.requires_grad]  # read once, as below
         self.module = module
+        self.scale_entered = False  # fp16: the loss scale entered the backward running now (ScaleGrad)
+        if self.loss_scaler is not None:
+            module.register_forward_hook(self.scale_output)
         self.guard_module_state_dicts()  # model.module.state_dict() and load_state_dict() (state_dicts.py)
         self.named_params = list(module.named_parameters())  # tied parameters appear once
         self.name_of = {p: name for name, p in self.named_params}
@@ -359,14 +379,16 @@ class Wrapper(WrapperStateDicts, nn.Module):
     # ------------------------------------------------------------ one step's bookkeeping
 
     def forward(self, *args, **kwargs):
-        out = self.module(*args, **kwargs)
-        if self.loss_scaler is not None and torch.is_grad_enabled():
-            # fp16: grads are scaled from where they enter the model, so
-            # loss.backward() and model.backward(loss) are the same
-            scale = self.loss_scaler
-            out = torch.utils._pytree.tree_map_only(
-                torch.Tensor, lambda t: ScaleGrad.apply(t, scale) if t.requires_grad else t, out)
-        return out
+        return self.module(*args, **kwargs)
+
+    def scale_output(self, module, args, out):
+        """fp16, a forward hook of the module: grads are scaled from where they
+        enter the model, so loss.backward() and model.backward(loss) are the
+        same, and model(x) and model.module(x) too."""
+        if not torch.is_grad_enabled():
+            return out
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: ScaleGrad.apply(t, self) if t.requires_grad else t, out)
 
     def backward(self, loss):
         """loss.backward(); kept for the API (under fp16 the scaling is in forward)."""
@@ -399,6 +421,11 @@ class Wrapper(WrapperStateDicts, nn.Module):
         grad hooks), before any collective of it; the end of the pass is queued."""
         if self.in_backward:
             return
+        if self.loss_scaler is not None and not self.scale_entered:  # before any collective: every rank raises alike
+            raise RuntimeError("fp16: this backward does not start from the model's output, where the loss scale "
+                               "enters (a loss from a submodule's output, model.module.transformer(x)?): its grads "
+                               "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
+                               "loss from model(...) (or model.module(...))")
         self.before_backward()
         self.agree_refusing_hooks("this backward pass", self.trainable, wait=False,  # checked before its first collective
                                   step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
@@ -432,6 +459,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
     def backward_done(self):
         comm.where = "the end of the backward pass"
         self.in_backward = False
+        self.scale_entered = False
         self.settle()
         self.refuse_grads_from_autograd()  # before the collectives: every rank raises alike
         if self.syncing:
@@ -612,16 +640,18 @@ class Wrapper(WrapperStateDicts, nn.Module):
 
 
 class ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the grad by the current fp16 loss scale."""
+    """Identity forward; backward multiplies the grad by the model's current
+    fp16 loss scale, and tells the model that the scale entered this backward."""
 
     @staticmethod
-    def forward(ctx, tensor, scaler):
-        ctx.scaler = scaler
+    def forward(ctx, tensor, model):
+        ctx.model = model
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.scaler.scale, None
+        ctx.model.scale_entered = True
+        return grad * ctx.model.loss_scale, None
 
 
 class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):

@@ -189,7 +189,7 @@ class Pipeline(Wrapper):
         """The last stage: this micro-batch's loss, kept for the step's mean;
         its backward starts from loss / M, so the grads are the whole batch's."""
         if self.loss_scaler is not None and torch.is_grad_enabled():
-            out = ScaleGrad.apply(out, self.loss_scaler)  # fp16: grads scaled from where they enter the model
+            out = ScaleGrad.apply(out, self)  # fp16: grads scaled from where they enter the model
         loss = self.loss_fn(out, self.targets[m])
         self.losses.append(loss.detach())
         return loss / self.microbatches
