@@ -4,6 +4,7 @@ nothing downloaded) trained and loaded by every strategy (run on every rank).
 A check returns what went wrong as a list of strings (empty: all is well),
 so that one failing strategy does not end the world the others run in.
 """
+import copy
 import functools
 import traceback
 
@@ -107,6 +108,51 @@ def parity(names, strategies):
         for strategy in strategies:
             results[name, strategy] = train_and_compare(name, strategy, ref)
     return results
+
+
+def padded_batch(step, world_size):
+    """(input_ids, attention_mask, labels): rows of random lengths, padded on
+    the right with pad_token_id, labels -100 over the padding, as a
+    fine-tuning collator makes them."""
+    x, _ = global_batch(step, world_size)
+    lengths = torch.randint(2, SEQ + 1, (x.shape[0],), generator=torch.Generator().manual_seed(100 + step))
+    mask = (torch.arange(SEQ)[None] < lengths[:, None]).long()
+    return x.masked_fill(mask == 0, 0), mask, x.masked_fill(mask == 0, -100)
+
+
+def fine_tuning(names, strategies):
+    """Fine-tuning as transformers users write it: padded rows with an
+    attention mask, labels -100 over the padding and the model's own loss
+    (labels=), gradient checkpointing on (transformers' default, non-reentrant).
+    Each rank's loss is the mean over its own tokens, so the reference
+    averages the ranks' losses, as torch DDP averages their grads. Failures."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    failures = []
+    for name in names:
+        ref, module = build(name), build(name)
+        for m in (ref, module):
+            m.gradient_checkpointing_enable()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+        for step in range(3):
+            rows = [t.view(world, PER_RANK, SEQ) for t in padded_batch(step, world)]
+            losses = [ref(input_ids=x, attention_mask=m, labels=y).loss for x, m, y in zip(*rows)]
+            (sum(losses) / world).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for strategy in strategies:
+            wrapper, optimizer = tiny_zero.STRATEGIES[strategy]
+            model = wrapper(copy.deepcopy(module))
+            opt = optimizer(model, lr=LR, eps=EPS, weight_decay=WD)
+            for step in range(3):
+                x, m, y = (t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in padded_batch(step, world))
+                model(input_ids=x, attention_mask=m, labels=y).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            state = model.full_state_dict()
+            failures += [f"{name}/{strategy} fine-tuning: {key} differs by {(state[key] - want).abs().max():.2e}"
+                         for key, want in ref.state_dict().items()
+                         if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
+    return failures
 
 
 def failures_of(fn, *args):

@@ -7,6 +7,8 @@ save_pretrained to a temporary directory stands in for a download).
   Gemma, GPT-2, BERT (its aliased bias).
 - Llama, Qwen2 (tied head) and GPT-2 trained by every strategy on 2 and 3
   ranks equal single-process torch over 4 AdamW steps (eps=1).
+- Fine-tuning as transformers users write it (padding, attention mask,
+  labels -100, labels= loss, gradient checkpointing) equals torch too.
 - load_pretrained: a saved model (one safetensors file, an index of shards,
   a torch state_dict file) loads into every strategy, also built on meta,
   and its outputs equal the original's; files that do not fit raise the same
@@ -160,6 +162,7 @@ def test_load_pretrained_into_a_plain_module(saved):
 @pytest.fixture(scope="module")
 def world2(saved):
     plan = [("parity", "parity", (MODELS, STRATEGIES)),
+            ("fine_tuning", "fine_tuning", (["llama", "gpt2"], STRATEGIES)),
             ("load", "load_all", (sources(saved), STRATEGIES, False))]
     plan += [(f"errors {s}", "load_errors", (s, saved / "llama", saved / "qwen2", saved / "llama-wider"))
              for s in STRATEGIES]
@@ -177,6 +180,11 @@ def parity_failures(results):
 def test_every_strategy_trains_hf_models_as_torch_does_world_2(world2):
     failures = parity_failures(world2["parity"])
     assert not failures, "\n".join(failures[:40])
+
+
+def test_fine_tuning_with_padding_masked_labels_and_checkpointing_as_torch(world2):
+    failures = [f for rank in world2["fine_tuning"] for f in rank]
+    assert not failures, "\n".join(failures[:20])
 
 
 def test_every_strategy_trains_hf_models_as_torch_does_world_3():
