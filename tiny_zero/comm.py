@@ -222,9 +222,10 @@ def agree(what, group=None, wait=True, defer=False, **values):
     if defer:
         _deferred.append((group, what, values))
         return
+    checks = [(what, values)] + _take_deferred(group)  # one all-reduce for this check and those waiting for it
     if wait:  # the earlier ones first: should one of them raise, nothing of this one is in flight
         settle_agreements()
-    _send(group, [(what, values)] + _take_deferred(group))
+    _send(group, checks)
     if wait:
         settle_agreements()
 

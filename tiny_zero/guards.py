@@ -4,6 +4,7 @@ averaged grads sharded used as if it were the whole grad."""
 import zlib
 
 import torch
+from torch.utils._pytree import tree_leaves  # a foreach op takes lists of grads
 
 from . import comm
 
@@ -58,7 +59,7 @@ class ShardedGrad(torch.Tensor):
         if func in cls.METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        strategy = next((a.strategy for a in _flat(args) if isinstance(a, ShardedGrad)), "this strategy")
+        strategy = next((a.strategy for a in tree_leaves(args) if isinstance(a, ShardedGrad)), "this strategy")
         if func is torch._amp_foreach_non_finite_check_and_unscale_:
             raise RuntimeError(
                 f"torch.amp.GradScaler unscales p.grad, which {strategy} keeps sharded across ranks: drop the "
@@ -73,11 +74,3 @@ class ShardedGrad(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError("a sharded grad has no data (see ShardedGrad)")
 
-
-def _flat(args):
-    """The tensors of a call's arguments, lists opened (a foreach op takes lists of grads)."""
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            yield from _flat(a)
-        else:
-            yield a

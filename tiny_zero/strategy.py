@@ -99,21 +99,21 @@ class StrategyLayer:
         self.wrapper.backward_started()
         return super().backward_callback(ctx, grad_out)
 
-
     def _apply(self, fn, recurse=True):
         """What model.to(dtype or device), .half(), .double() and .cuda() run on
         each module: refused on a wrapped layer where it would change a
-        parameter's dtype or device (fn is tried on an empty tensor like it)."""
-        for name, p in self._parameters.items():
-            if p is None or "wrapper" not in self.__dict__:  # the wrapper's own conversion, at wrap time
-                continue
-            converted = fn(torch.empty(0, dtype=p.dtype, device=p.device))
-            if (converted.dtype, converted.device) != (p.dtype, p.device):
-                raise RuntimeError(f"{self.path}.{name}: converting the model after wrapping ({p.dtype} on {p.device} "
-                                   f"to {converted.dtype} on {converted.device}) would leave the strategy stepping "
-                                   "its own buffers while the module computes with the converted copies, which "
-                                   "never train; convert the module before wrapping it (the wrapper's device= "
-                                   "places it, mixed_precision= sets the dtype it computes in)")
+        parameter's dtype or device (fn is tried on an empty tensor like it).
+        The wrapper's own conversion, at wrap time, comes before it is wrapped."""
+        if "wrapper" in self.__dict__:
+            for name, p in ((n, p) for n, p in self._parameters.items() if p is not None):
+                converted = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+                if (converted.dtype, converted.device) != (p.dtype, p.device):
+                    raise RuntimeError(f"{self.path}.{name}: converting the model after wrapping ({p.dtype} on "
+                                       f"{p.device} to {converted.dtype} on {converted.device}) would leave the "
+                                       "strategy stepping its own buffers while the module computes with the "
+                                       "converted copies, which never train; convert the module before wrapping it "
+                                       "(the wrapper's device= places it, mixed_precision= sets the dtype it "
+                                       "computes in)")
         return super()._apply(fn, recurse)
 
 
