@@ -5,6 +5,8 @@ tests/test_semantics.py: `python tests/disagree_check.py STRATEGY CASE`.
     layer     at step 2, rank 1 uses a layer that rank 0 does not
     step      at step 2, rank 1 sets a p.grad to None before the optimizer
               step: the ranks would step different parameters
+    last_step the same at the last step (3), after which nothing is sent:
+              told at exit, on every rank (which then exit 0)
 
 Every rank must end in tiny_zero's error and exit non-zero; on success the
 script prints "no error" and exits 0. Each rank prints when it reaches step
@@ -41,7 +43,7 @@ def main():
                 loss.backward()
         else:
             loss.backward()
-        if case == "step" and odd:
+        if (case == "step" and odd) or (case == "last_step" and step == 3 and rank == 1):
             next(model.module.parameters()).grad = None
         opt.step()
         opt.zero_grad()

@@ -6,6 +6,8 @@ An exception on any rank fails the test with that rank's traceback.
 Also a check that several worlds' check modules share
 (module_state_dict_failures).
 """
+import atexit
+import faulthandler
 import os
 import pickle
 import sys
@@ -24,6 +26,8 @@ def _worker(rank, world_size, store_dir, module_name, fn_name, args):
                       OMP_NUM_THREADS="1")
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     out = Path(store_dir) / f"result{rank}.pkl"
+    faulthandler.enable()  # a crash in C++ (an abort, a segfault) still shows where Python was
+    atexit.register(_nothing_left_in_flight)  # before tiny_zero is imported: runs after its own exit handler
     try:
         import torch
         import torch.distributed as dist
@@ -39,6 +43,15 @@ def _worker(rank, world_size, store_dir, module_name, fn_name, args):
     out.write_bytes(pickle.dumps(result))
 
 
+def _nothing_left_in_flight():
+    """At exit: tiny_zero holds no collective any more (one freed in the
+    interpreter's teardown can abort the process); fail the rank if it does."""
+    comm = sys.modules.get("tiny_zero.comm")
+    if comm is not None and comm._unsettled:
+        print(f"{len(comm._unsettled)} agreements of tiny_zero still held at exit", file=sys.stderr)
+        os._exit(70)
+
+
 def run_world(world_size, module_name, fn_name, *args, timeout=300):
     """fn(*args) on every rank; returns the list of per-rank return values."""
     with tempfile.TemporaryDirectory() as store_dir:
@@ -51,13 +64,18 @@ def run_world(world_size, module_name, fn_name, *args, timeout=300):
                     for p in ctx.processes:
                         p.kill()
                     raise TimeoutError(f"{fn_name} on {world_size} ranks ran over {timeout} s")
-        except mp.ProcessExitedException:
-            pass  # the failed rank's traceback is read below
+        except mp.ProcessExitedException as exited:  # the failed rank's traceback is read below
+            first = exited
+        else:
+            first = None
         paths = [Path(store_dir) / f"result{rank}.pkl" for rank in range(world_size)]
         outcomes = [pickle.loads(path.read_bytes()) if path.exists() else None for path in paths]
         for rank, outcome in enumerate(outcomes):  # the rank that failed first: the others were stopped
             if outcome is not None and outcome[0] == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{outcome[1]}")
+        if first is not None and outcomes[first.error_index] is not None:
+            raise RuntimeError(f"rank {first.error_index} returned its result, then its process failed on "
+                               f"the way out ({first}); the other ranks were stopped")
         for rank, outcome in enumerate(outcomes):
             if outcome is None:
                 raise RuntimeError(f"rank {rank} died without a result")

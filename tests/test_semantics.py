@@ -82,7 +82,7 @@ TIMEOUT = 4  # seconds, the collective timeout in these runs
 
 
 @pytest.mark.parametrize("name,case", [(name, case) for name in ALL for case in ("no_sync", "layer")] +
-                         [("ddp", "step"), ("zero1", "step")])  # ddp defers its step's check, zero1 does not
+                         [("ddp", "step"), ("zero1", "step"), ("zero3", "last_step")])  # ddp defers its step's check
 def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case):
     port = free_port()
     procs = []
@@ -101,6 +101,11 @@ def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case):
         for p in procs:
             p.kill()
     reached = max(float(re.search(r"reached step 2 at (\S+)", out).group(1)) for _, out, _, _ in outputs)
+    if case == "last_step":  # nothing is sent after it: told by the exit handler
+        for rank, (code, out, err, ended) in enumerate(outputs):
+            assert code == 0 and "no error" in out, f"rank {rank}:\n{out}\n{err[-2000:]}"
+            assert "tiny_zero, at exit: ranks disagree on the optimizer step: parameters" in err, err[-3000:]
+        return
     for rank, (code, out, err, ended) in enumerate(outputs):
         assert code != 0, f"rank {rank} exited 0:\n{out}\n{err[-2000:]}"
         assert "DisagreementError" in err or "CollectiveError" in err, f"rank {rank}:\n{err[-3000:]}"

@@ -17,13 +17,17 @@ agree(what, **values): every rank checks that every rank passed the same
     integers, on a side channel (a gloo group of its own, CPU tensors), before
     the collectives that would otherwise mismatch or hang; the same clear error
     on every rank if not. new_group(ranks) makes a process group with a side
-    channel of its own, for agree(group=...) among those ranks only.
+    channel of its own, for agree(group=...) among those ranks only. At exit,
+    the checks still in flight are waited for and let go (and a disagreement
+    told), before the interpreter's teardown, where gloo could abort on them.
 Buckets: gradient buckets in the order their grads become final, and which
     of them may be sent now.
 GatherOrder, gather_units: zero3's and fsdp's units (a block, by default),
     and the order in which layers run, recorded on the first step: which
     unit comes next, to gather it ahead, and which the next layer still uses.
 """
+import atexit
+import sys
 import weakref
 from collections import defaultdict
 from datetime import timedelta
@@ -265,19 +269,48 @@ def settle_agreements():
         pending, checks, everyone = _unsettled.pop(0)
         with _disable_current_modes():
             pending.wait()
-        differ, i, n = [], 0, len(everyone) // 2
-        for what, values in checks:
-            ranges = []
-            for name, value in values.items():
-                if everyone[i] != -everyone[n + i]:
-                    ranges.append(f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {value})")
-                i += 1
-            if ranges:
-                differ.append(f"{what}: {'; '.join(ranges)}")
-        if differ:
+        try:
+            _check(checks, everyone)
+        except DisagreementError:
             _unsettled.clear()
-            raise DisagreementError(f"ranks disagree on {'; and on '.join(differ)}. Every rank must run the same "
-                                    "forward, backward, no_sync() and optimizer steps")
+            raise
+
+
+def _check(checks, everyone):
+    """Raise DisagreementError if the ranks' values in `everyone` (an
+    all-reduced _send) differ."""
+    differ, i, n = [], 0, len(everyone) // 2
+    for what, values in checks:
+        ranges = []
+        for name, value in values.items():
+            if everyone[i] != -everyone[n + i]:
+                ranges.append(f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {value})")
+            i += 1
+        if ranges:
+            differ.append(f"{what}: {'; '.join(ranges)}")
+    if differ:
+        raise DisagreementError(f"ranks disagree on {'; and on '.join(differ)}. Every rank must run the same "
+                                "forward, backward, no_sync() and optimizer steps")
+
+
+@atexit.register
+def _settle_at_exit(most=timedelta(seconds=60)):
+    """At exit, wait for the agreements still in flight (a step's own is sent
+    without waiting) and let go of them while the interpreter is whole: a
+    collective's work and tensor freed in its teardown can abort the process
+    ("terminate called without an active exception"). A disagreement is still
+    told. Deferred checks are dropped: sending one now could wait for a rank
+    that has gone."""
+    _deferred.clear()
+    while _unsettled:
+        pending, checks, everyone = _unsettled.pop(0)
+        try:
+            pending.work.wait(most)
+            _check(checks, everyone)
+        except DisagreementError as e:
+            print(f"tiny_zero, at exit: {e}", file=sys.stderr)
+        except RuntimeError:
+            pass  # the group was destroyed before it ran, or a rank has gone: nothing left to check
 
 
 # ---------------------------------------------------------------- buckets
