@@ -125,7 +125,10 @@ def fine_tuning(names, strategies):
     attention mask, labels -100 over the padding and the model's own loss
     (labels=), gradient checkpointing on (transformers' default, non-reentrant).
     Each rank's loss is the mean over its own tokens, so the reference
-    averages the ranks' losses, as torch DDP averages their grads. Failures."""
+    averages the ranks' losses, as torch DDP averages their grads. After the
+    second step, a greedy model.module.generate() in eval mode (a sample, as
+    users take one mid-run) gives torch's tokens, and training goes on as
+    torch's. Failures."""
     world, rank = dist.get_world_size(), dist.get_rank()
     failures = []
     for name in names:
@@ -139,6 +142,8 @@ def fine_tuning(names, strategies):
             (sum(losses) / world).backward()
             ref_opt.step()
             ref_opt.zero_grad()
+            if step == 1:
+                want = sample(ref)
         for strategy in strategies:
             wrapper, optimizer = tiny_zero.STRATEGIES[strategy]
             model = wrapper(copy.deepcopy(module))
@@ -148,11 +153,23 @@ def fine_tuning(names, strategies):
                 model(input_ids=x, attention_mask=m, labels=y).loss.backward()
                 opt.step()
                 opt.zero_grad()
+                if step == 1 and not torch.equal(got := sample(model.module), want):
+                    failures.append(f"{name}/{strategy} generate(): {got.tolist()}, torch {want.tolist()}")
             state = model.full_state_dict()
             failures += [f"{name}/{strategy} fine-tuning: {key} differs by {(state[key] - want).abs().max():.2e}"
                          for key, want in ref.state_dict().items()
                          if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
     return failures
+
+
+def sample(model):
+    """Greedy tokens after two prompts, in eval mode (then back to training)."""
+    model.eval()
+    prompts = torch.tensor([[1, 5, 7, 9], [2, 3, 4, 6]])
+    tokens = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6, do_sample=False,
+                            pad_token_id=0)
+    model.train()
+    return tokens
 
 
 def failures_of(fn, *args):
