@@ -143,7 +143,7 @@ def fine_tuning(names, strategies):
             ref_opt.step()
             ref_opt.zero_grad()
             if step == 1:
-                want = sample(ref)
+                torch_tokens = sample(ref)
         for strategy in strategies:
             wrapper, optimizer = tiny_zero.STRATEGIES[strategy]
             model = wrapper(copy.deepcopy(module))
@@ -153,8 +153,8 @@ def fine_tuning(names, strategies):
                 model(input_ids=x, attention_mask=m, labels=y).loss.backward()
                 opt.step()
                 opt.zero_grad()
-                if step == 1 and not torch.equal(got := sample(model.module), want):
-                    failures.append(f"{name}/{strategy} generate(): {got.tolist()}, torch {want.tolist()}")
+                if step == 1 and not torch.equal(tokens := sample(model.module), torch_tokens):
+                    failures.append(f"{name}/{strategy} generate(): {tokens.tolist()}, torch {torch_tokens.tolist()}")
             state = model.full_state_dict()
             failures += [f"{name}/{strategy} fine-tuning: {key} differs by {(state[key] - want).abs().max():.2e}"
                          for key, want in ref.state_dict().items()
