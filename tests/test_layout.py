@@ -276,3 +276,12 @@ def test_no_import_runs_back_up():
                 if part in strategies or part in TOOLING:
                     problems.append(f"{rel}: a shared file imports {f}")
     assert not problems, problems
+
+
+def test_the_readme_bounds_the_data_parallel_folders_length():
+    """The README's opening says how long a strategy folder is: it must stay true."""
+    counts = {name: sum(len(p.read_text().splitlines()) for p in folder(name).glob("*.py")) for name in DATA_PARALLEL}
+    opening = re.sub(r"\s+", " ", (ROOT / "README.md").read_text()[:600])
+    claim = re.search(r"one folder per strategy, under (\d+) lines each", opening)
+    assert claim, "the README's opening no longer says how many lines a strategy folder has"
+    assert max(counts.values()) < int(claim[1]), counts
