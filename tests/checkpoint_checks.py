@@ -5,10 +5,12 @@ ranks, so runs at different world sizes compute the same thing. Each worker
 does many checks in one world and returns a list of failures (strings);
 rank 0 also leaves files in `root` for the next world and the test process.
 """
+import io
 import os
 import shutil
 import struct
 import zipfile
+from contextlib import redirect_stderr
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 import tiny_zero
 from tiny_zero import checkpoint
+from tiny_zero.checkpoint import sharded
 from tiny_zero.precision import LossScaler
 from parity_checks import SEQ, VOCAB, FewTensorsNet, ParityNet, wrap
 
@@ -90,6 +93,7 @@ def world_of_two(root):
             "mixed": resume_same_world(root, ALL, "bf16") + resume_same_world(root, ALL, "fp16")
             + loads_values(root, "zero3-bf16-w2", "fsdp") + loads_values(root, "zero2-w2", "zero3", "bf16"),
             "gpt": save_gpt(root),
+            "progress": progress_bars(root),
             "crash": crash_during_save(root),
             "errors": error_cases(root)}
 
@@ -193,6 +197,26 @@ def save_gpt(root):
     checkpoint.save(root / "gpt", model, opt, step=1)
     rank0_save(model.full_state_dict(), root / "gpt-full.pt")
     return []
+
+
+def progress_bars(root):
+    """Saving and loading show a progress bar on rank 0 alone, once they
+    last PROGRESS_AFTER_S (here 0 s): the other ranks print nothing."""
+    from example.model import build_model
+    model = wrap("zero3", build_model("tiny"))
+    opt = tiny_zero.STRATEGIES["zero3"][1](model, lr=LR)
+    delay, sharded.PROGRESS_AFTER_S = sharded.PROGRESS_AFTER_S, 0
+    try:
+        with redirect_stderr(io.StringIO()) as err:
+            checkpoint.load(root / "gpt", model, opt)
+            checkpoint.save(root / "gpt-again", model, opt, step=1)
+    finally:
+        sharded.PROGRESS_AFTER_S = delay
+    shown = err.getvalue()
+    bars = ["loading checkpoint", "saving checkpoint"]
+    if dist.get_rank() == 0:
+        return [f"rank 0 shows no bar for {bar!r}: {shown!r}" for bar in bars if f"{bar}:" not in shown]
+    return [f"rank {dist.get_rank()} printed {shown!r}"] if shown else []
 
 
 def crash_during_save(root):

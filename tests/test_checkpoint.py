@@ -81,6 +81,25 @@ def test_consolidate_cli_gives_the_full_state_dict_the_example_loads_strictly(sa
     assert model.lm_head.weight is model.wte.weight
 
 
+def test_long_work_shows_a_progress_bar_on_rank_0_only(saved, capsys, monkeypatch):
+    """Saving, loading and consolidating show a bar once they last
+    PROGRESS_AFTER_S; on rank 0 alone (checkpoint_checks.progress_bars)."""
+    from tiny_zero.checkpoint import consolidate, sharded
+    root, results = saved
+    assert not failures(results["progress"]), failures(results["progress"])
+    state = consolidate(root / "gpt")  # quick: under the delay, no bar
+    assert state and capsys.readouterr().err == ""
+    monkeypatch.setattr(sharded, "PROGRESS_AFTER_S", 0)
+    consolidate(root / "gpt")
+    assert "consolidating:" in capsys.readouterr().err
+
+    from tiny_zero.checkpoint import load_pretrained
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    torch.save(module.state_dict(), root / "two-linears.pt")
+    load_pretrained(module, root / "two-linears.pt")
+    assert "loading pretrained weights:" in capsys.readouterr().err
+
+
 def test_consolidate_cli_reports_a_bad_checkpoint(tmp_path):
     out = tmp_path / "out.pt"
     command = [sys.executable, "-m", "tiny_zero.checkpoint", "consolidate", str(tmp_path), str(out)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .sharded import CheckpointError, ShardReader, _find, _read_meta
+from .sharded import CheckpointError, ShardReader, _find, _read_meta, progress
 
 
 def consolidate(path):
@@ -24,7 +24,7 @@ def _consolidate(path):
         meta = _read_meta(directory)
         shards = ShardReader(directory, meta)
         full = {}
-        for p in meta["params"]:
+        for p in progress(meta["params"], "consolidating"):
             values, _ = shards.read(p["name"], 0, math.prod(p["shape"]), kinds=("param",))
             full[p["name"]] = values["param"].view(p["shape"])
     except CheckpointError as e:

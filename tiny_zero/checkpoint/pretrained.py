@@ -33,7 +33,7 @@ import torch
 
 from ..materialize import set_data, weights_loaded
 from ..strategy import Piece
-from .sharded import CheckpointError, _agree, _attempt, _some
+from .sharded import CheckpointError, _agree, _attempt, _some, progress
 
 
 @torch.no_grad()
@@ -75,7 +75,8 @@ def _read_for_rank(path, module, shapes, pieces, files):
     source = open_source(path, files)
     aliases = _aliases(module)
     found = _check(source, module, shapes, aliases)
-    values = {(p.name, p.lo, p.hi): source.read(found[p.name], p.lo, p.hi) for p in pieces}
+    values = {(p.name, p.lo, p.hi): source.read(found[p.name], p.lo, p.hi)
+              for p in progress(pieces, "loading pretrained weights")}
     buffers = {key: source.read(key, 0, math.prod(source.shape(key))).view(source.shape(key))
                for key in _persistent_buffers(module)}
     return values, buffers

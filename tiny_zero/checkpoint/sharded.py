@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from ..materialize import weights_loaded
 from ..state_dicts import state_dict_names
@@ -25,6 +26,7 @@ VERSION = 1
 META = "meta.pt"
 KINDS = ("param", "exp_avg", "exp_avg_sq")  # what a shard holds for each range, all fp32
 BLOCK = 2**18  # elements per checksum block: 1 MiB of fp32
+PROGRESS_AFTER_S = 2.0  # work that lasts longer than this shows a progress bar
 
 
 class CheckpointError(RuntimeError):
@@ -76,7 +78,7 @@ def _write_shard(saving, model, opt):
     pieces = model.pieces_to_save()  # each element by one rank only
     shard = {"format": SHARD_FORMAT, "version": VERSION, "rank": model.rank, "world_size": model.world_size,
              **{kind: {} for kind in KINDS}, "step": {}, "checksums": {}}
-    for piece in pieces:
+    for piece in progress(pieces, "saving checkpoint"):
         key, n = (piece.name, piece.lo, piece.hi), piece.hi - piece.lo
         exp_avg, exp_avg_sq, step = opt.piece_state(piece)  # no moments before the first step
         values = {"param": piece.tensor[piece.offset:piece.offset + n], "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
@@ -189,7 +191,7 @@ def _read_for_rank(path, names, shapes, pieces, rank):
     meta = _read_meta(directory)
     _check_same_model(meta, names, shapes)
     shards = ShardReader(directory, meta)
-    parts = [shards.read(p.name, p.lo, p.hi) for p in pieces]
+    parts = [shards.read(p.name, p.lo, p.hi) for p in progress(pieces, "loading checkpoint")]
     # the loss scaler's state is the same in every shard: one this rank has opened, or any
     shard = shards.open(next(iter(shards.opened), sorted(meta["files"])[rank % len(meta["files"])]))
     return meta, parts, shard.get("loss_scaler"), shard.get("skipped_steps")
@@ -257,6 +259,13 @@ def _check_same_model(meta, names, shapes):
     if problems:
         raise CheckpointError(f"it is a checkpoint of another model ({meta['strategy']}): "
                               + "; ".join(problems))
+
+
+def progress(items, what):
+    """`items`, with a progress bar on stderr on rank 0 once the work has
+    lasted PROGRESS_AFTER_S: a large model takes a while to read or write."""
+    quiet = dist.is_initialized() and dist.get_rank() != 0
+    return tqdm(items, desc=what, unit=" tensors", disable=quiet, delay=PROGRESS_AFTER_S, leave=False)
 
 
 def _some(items, most=6):
