@@ -180,6 +180,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.used = []  # the layers used in forward since the last backward (their indices)
         self.averaged = set()  # data_ptr()s of the parts of model.grads that hold an average this step
         self.nothing = None  # the shared zero of released(), made at its first use
+        self.released_views = {}  # parameter -> its released() view of that zero, made once
         self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
         self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
         self.showing = set()  # the parameters whose p.grad backward_done set, until zero_grad
@@ -230,9 +231,11 @@ class Wrapper(WrapperStateDicts, nn.Module):
         shape over a single shared zero, so p.shape and p.dim() stay true (for
         param groups built after wrapping) and nothing is allocated; writing
         into it fails."""
-        if self.nothing is None:
-            self.nothing = torch.zeros((), dtype=self.param_dtype, device=self.device)
-        return self.nothing.expand(self.shapes[self.name_of[param]])
+        if param not in self.released_views:
+            if self.nothing is None:
+                self.nothing = torch.zeros((), dtype=self.param_dtype, device=self.device)
+            self.released_views[param] = self.nothing.expand(self.shapes[self.name_of[param]])
+        return self.released_views[param]
 
     def fp32_shards(self, tensors):
         """The fp32 tensors the optimizer steps for these flat tensors of
