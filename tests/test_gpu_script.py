@@ -63,3 +63,21 @@ def test_layers_script_compares_the_same_training():
     assert rows["torch"][2] == rows["torch"][3] == rows["torch"][5] == "1.000"
     assert all(float(rows[side][4]) > 0 for side in rows)
     assert abs(float(rows["torch"][6]) - float(rows["tiny_zero"][6])) < 1e-4 * float(rows["torch"][6])
+
+
+def test_host_script_times_every_run_on_the_same_training():
+    """example/benchmark/host.py: torch, single_device and every strategy at
+    world 1 train the same model on the same batch (equal losses), with the
+    blocks of --model, and torch is its own baseline."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "example/benchmark/host.py", "--model", "small", "--steps", "2",
+                             "--warmup", "1", "--repeat", "1"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("--model small: 4 blocks at width 16"), result.stdout
+    rows = {r[0]: r for r in table_rows(result.stdout, "|".join(RUNS))}
+    assert list(rows) == RUNS
+    assert rows["torch"][2] == "1.00"
+    assert all(float(r[1]) > 0 for r in rows.values())
+    losses = [float(r[3]) for r in rows.values()]
+    assert max(abs(loss - losses[0]) for loss in losses) < 1e-5 * losses[0], losses

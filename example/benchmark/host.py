@@ -1,0 +1,102 @@
+"""Host time per step: what runs around the math, next to torch's.
+
+    python example/benchmark/host.py --model gpt2 --repeat 5
+
+One process, one thread, a world of one (gloo). The model has the blocks of
+--model (gpt2: 12) at width 16, with a 64-token vocabulary, on a batch of
+1 x 8 tokens: its math takes microseconds a layer, so a step's time is
+nearly all Python, autograd and the calls into torch and torch.distributed.
+On a GPU that host time is what a step costs whenever it exceeds the
+kernels' time (docs/benchmarks.md, GPU). Trained in turn, --repeat times,
+from the same weights on the same batch:
+
+  torch          torch.nn layers, torch.optim.AdamW
+  single_device  tiny_zero.module.swap_layers and tiny_zero.optim.AdamW
+  ddp ... fsdp   each of tiny_zero.STRATEGIES, wrapped at world size 1
+
+The table gives each run's best median step (other load only ever adds
+time), its ratio to torch's, and the loss of its last step (the same
+computation throughout, so they agree to float rounding).
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
+
+import torch
+
+import tiny_zero
+from example.model import CONFIGS, build_model
+from tiny_zero.distributed import init_distributed
+from tiny_zero.module.swap import swap_layers
+from tiny_zero.optim import AdamW
+
+HYPER = dict(lr=1e-3, weight_decay=0.1)
+NARROW = dict(n_embd=16, n_head=2, vocab_size=64, block_size=16)  # the layers of --model, next to no math
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpts = [name for name in CONFIGS if not name.startswith("llama")]
+    p.add_argument("--model", default="gpt2", choices=gpts, help="whose blocks (default: gpt2, 12)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run (default: 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    p.add_argument("--repeat", type=int, default=5, help="runs of each, in turn (default: 5)")
+    return p.parse_args()
+
+
+def build(name, model_name):
+    """(model, optimizer, backward) of one run, from the same seed."""
+    model = build_model(model_name, seed=0, **NARROW)
+    if name == "torch":
+        return model, torch.optim.AdamW(model.parameters(), **HYPER), torch.Tensor.backward
+    if name == "single_device":
+        swap_layers(model)
+        return model, AdamW(model.parameters(), **HYPER), torch.Tensor.backward
+    wrapper_class, adamw_class = tiny_zero.STRATEGIES[name]
+    model = wrapper_class(model)
+    return model, adamw_class(model, **HYPER), model.backward
+
+
+def timed_run(name, x, y, args):
+    """(median step in ms, last loss) of one run."""
+    model, opt, backward = build(name, args.model)
+    times = []
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        loss = model(x, y)
+        backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if step >= args.warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), loss.item()
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(1)
+    init_distributed()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, NARROW["vocab_size"], (1, 9), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    runs = {name: [] for name in ["torch", "single_device", *tiny_zero.STRATEGIES]}
+    for _ in range(args.repeat):
+        for name in runs:
+            runs[name].append(timed_run(name, x, y, args))
+    best = {name: min(found) for name, found in runs.items()}
+    blocks = CONFIGS[args.model].n_layer
+    print(f"--model {args.model}: {blocks} blocks at width 16, 1 x 8 tokens, fp32, 1 thread, world 1; "
+          f"best of {args.repeat} runs of {args.steps} steps each (median step)")
+    print("| run | host ms/step | × torch | loss, last step |")
+    print("|---|---:|---:|---:|")
+    for name, (ms, loss) in best.items():
+        print(f"| {name} | {ms:.2f} | {ms / best['torch'][0]:.2f} | {loss:.6f} |")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
