@@ -334,9 +334,9 @@ class Bucket:
     def __init__(self, index, params, pad_to=1):
         self.index = index
         self.params = params
-        self.offsets, self.shapes, size = {}, {}, 0
+        self.offsets, self.shapes, self.strides, size = {}, {}, {}, 0
         for p in params:  # shapes are kept: a sharded parameter's own shape changes
-            self.offsets[p], self.shapes[p] = size, p.shape
+            self.offsets[p], self.shapes[p], self.strides[p] = size, p.shape, contiguous_strides(p.shape)
             size += p.numel()
         self.numel = round_up(size, pad_to)
         self.start = 0  # where this bucket begins in a flat buffer of all buckets
@@ -350,9 +350,11 @@ class Bucket:
         return self.own_view(flat[self.start:], p)
 
     def own_view(self, buffer, p):
-        """p's place in a buffer that holds this bucket alone."""
-        begin, shape = self.offsets[p], self.shapes[p]
-        return buffer[begin:begin + shape.numel()].view(shape)
+        """p's place in a buffer that holds this bucket alone: elements
+        [offsets[p], offsets[p] + p.numel()) seen in p's shape, as
+        buffer[begin:end].view(shape) would, in one call instead of two (the
+        gathers of zero3 and fsdp make one per parameter per gather)."""
+        return buffer.as_strided(self.shapes[p], self.strides[p], buffer.storage_offset() + self.offsets[p])
 
     def range(self, flat):
         return flat[self.start:self.start + self.numel]
@@ -361,6 +363,15 @@ class Bucket:
         """Rank `rank`'s 1/N of this bucket inside a flat buffer of all buckets."""
         size = self.numel // world_size
         return flat[self.start + rank * size:self.start + (rank + 1) * size]
+
+
+def contiguous_strides(shape):
+    """The strides of a contiguous tensor of `shape`."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def make_buckets(params, bucket_bytes, pad_to=1):
