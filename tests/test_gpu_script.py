@@ -81,3 +81,24 @@ def test_host_script_times_every_run_on_the_same_training():
     assert all(float(r[1]) > 0 for r in rows.values())
     losses = [float(r[3]) for r in rows.values()]
     assert max(abs(loss - losses[0]) for loss in losses) < 1e-5 * losses[0], losses
+
+
+def test_units_script_trades_collectives_for_memory_on_the_same_training():
+    """example/benchmark/units.py at 2 ranks: zero3 and fsdp with units of a
+    block send fewer collectives than with a unit per layer, every run
+    counts its memory and time, and all four compute the same losses."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "example/benchmark/units.py", "--model", "tiny", "--batch-size", "2", "--steps", "2",
+                             "--repeat", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {(r[0], r[1]): r for r in table_rows(result.stdout, "zero3|fsdp")}
+    assert list(rows) == [("zero3", "block"), ("zero3", "layer"), ("fsdp", "block"), ("fsdp", "layer")]
+
+    def calls(cell):
+        return sum(int(part.split()[0]) for part in cell.split(", "))
+    for strategy in ("zero3", "fsdp"):
+        assert calls(rows[strategy, "block"][2]) < calls(rows[strategy, "layer"][2]), result.stdout
+    assert all(float(r[3]) > 0 and float(r[5]) > 0 for r in rows.values())
+    losses = [float(r[6]) for r in rows.values()]
+    assert max(abs(loss - losses[0]) for loss in losses) < 1e-5 * losses[0], losses
