@@ -350,8 +350,9 @@ class Bucket:
         return self.own_view(flat[self.start:], p)
 
     def own_view(self, buffer, p):
-        """p's place in a buffer that holds this bucket alone: elements
-        [offsets[p], offsets[p] + p.numel()) seen in p's shape, as
+        """p's place in a buffer that holds this bucket alone (flat and
+        contiguous, as every buffer here is): elements [offsets[p],
+        offsets[p] + p.numel()) seen in p's shape, as
         buffer[begin:end].view(shape) would, in one call instead of two (the
         gathers of zero3 and fsdp make one per parameter per gather)."""
         return buffer.as_strided(self.shapes[p], self.strides[p], buffer.storage_offset() + self.offsets[p])
