@@ -269,48 +269,39 @@ def settle_agreements():
         pending, checks, everyone = _unsettled.pop(0)
         with _disable_current_modes():
             pending.wait()
-        try:
-            _check(checks, everyone)
-        except DisagreementError:
+        differ, i, n = [], 0, len(everyone) // 2
+        for what, values in checks:
+            ranges = []
+            for name, value in values.items():
+                if everyone[i] != -everyone[n + i]:
+                    ranges.append(f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {value})")
+                i += 1
+            if ranges:
+                differ.append(f"{what}: {'; '.join(ranges)}")
+        if differ:
             _unsettled.clear()
-            raise
-
-
-def _check(checks, everyone):
-    """Raise DisagreementError if the ranks' values in `everyone` (an
-    all-reduced _send) differ."""
-    differ, i, n = [], 0, len(everyone) // 2
-    for what, values in checks:
-        ranges = []
-        for name, value in values.items():
-            if everyone[i] != -everyone[n + i]:
-                ranges.append(f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {value})")
-            i += 1
-        if ranges:
-            differ.append(f"{what}: {'; '.join(ranges)}")
-    if differ:
-        raise DisagreementError(f"ranks disagree on {'; and on '.join(differ)}. Every rank must run the same "
-                                "forward, backward, no_sync() and optimizer steps")
+            raise DisagreementError(f"ranks disagree on {'; and on '.join(differ)}. Every rank must run the same "
+                                    "forward, backward, no_sync() and optimizer steps")
 
 
 @atexit.register
-def _settle_at_exit(most=timedelta(seconds=60)):
-    """At exit, wait for the agreements still in flight (a step's own is sent
-    without waiting) and let go of them while the interpreter is whole: a
-    collective's work and tensor freed in its teardown can abort the process
-    ("terminate called without an active exception"). A disagreement is still
-    told. Deferred checks are dropped: sending one now could wait for a rank
-    that has gone."""
+def _settle_at_exit():
+    """At exit, settle the agreements still in flight (a step's own is sent
+    without waiting) while the interpreter is whole: a collective's work and
+    tensor freed in its teardown can abort the process ("terminate called
+    without an active exception"). A disagreement is still told. Deferred
+    checks are dropped, and no wait lasts over a minute: sending or waiting
+    now could wait for a rank that has gone."""
+    global timeout
+    timeout = min(timeout, timedelta(seconds=60))
     _deferred.clear()
     while _unsettled:
-        pending, checks, everyone = _unsettled.pop(0)
         try:
-            pending.work.wait(most)
-            _check(checks, everyone)
+            settle_agreements()
         except DisagreementError as e:
             print(f"tiny_zero, at exit: {e}", file=sys.stderr)
         except RuntimeError:
-            pass  # the group was destroyed before it ran, or a rank has gone: nothing left to check
+            pass  # CollectiveError: the group was destroyed before it ran, or a rank has gone
 
 
 # ---------------------------------------------------------------- buckets
@@ -336,7 +327,8 @@ class Bucket:
         self.params = params
         self.offsets, self.shapes, self.strides, size = {}, {}, {}, 0
         for p in params:  # shapes are kept: a sharded parameter's own shape changes
-            self.offsets[p], self.shapes[p], self.strides[p] = size, p.shape, contiguous_strides(p.shape)
+            self.offsets[p], self.shapes[p] = size, p.shape
+            self.strides[p] = contiguous_strides(p.shape)
             size += p.numel()
         self.numel = round_up(size, pad_to)
         self.start = 0  # where this bucket begins in a flat buffer of all buckets
@@ -367,7 +359,8 @@ class Bucket:
 
 
 def contiguous_strides(shape):
-    """The strides of a contiguous tensor of `shape`."""
+    """The strides of a contiguous tensor of `shape` (worked out, not read off
+    a tensor: one made here would count in a TensorMemory)."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
