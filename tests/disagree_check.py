@@ -7,6 +7,8 @@ tests/test_semantics.py: `python tests/disagree_check.py STRATEGY CASE`.
               step: the ranks would step different parameters
     last_step the same at the last step (3), after which nothing is sent:
               told at exit, on every rank (which then exit 0)
+    write     at step 2, rank 1 writes a parameter in place (in bf16, where
+              zero3 refuses such a write with a collective of its own)
 
 Every rank must end in tiny_zero's error and exit non-zero; on success the
 script prints "no error" and exits 0. Each rank prints when it reaches step
@@ -18,6 +20,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from semantics_checks import global_batch, make_tiny, my_rows  # noqa: E402
@@ -28,7 +31,7 @@ def main():
     name, case = sys.argv[1:3]
     comm.set_timeout(float(os.environ["TIMEOUT"]))
     dist.init_process_group("gloo")
-    model, opt = make_tiny(name)
+    model, opt = make_tiny(name, **({"mixed_precision": "bf16"} if case == "write" else {}))
     rank = dist.get_rank()
     for step in range(4):
         odd = step == 2 and rank == 1
@@ -45,9 +48,24 @@ def main():
             loss.backward()
         if (case == "step" and odd) or (case == "last_step" and step == 3 and rank == 1):
             next(model.module.parameters()).grad = None
+        if case == "write" and odd:
+            write_one_parameter(model.module)
         opt.step()
         opt.zero_grad()
     print("no error")
+
+
+def write_one_parameter(module):
+    """Halve the first parameter this rank holds whole (torch refuses a
+    write into a released one, which all share one element)."""
+    for p in module.parameters():
+        try:
+            with torch.no_grad():
+                p.mul_(0.5)
+            return
+        except RuntimeError:
+            continue
+    raise AssertionError("no parameter could be written")
 
 
 if __name__ == "__main__":

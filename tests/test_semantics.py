@@ -14,7 +14,8 @@ to None outside zero_grad(), torch.autograd.grad and create_graph refused,
 evaluation under no_grad (on rank 0 alone too), a parameter used outside its
 layer refused, grads read or added to after a clip, a parameter written in
 place after wrapping. Ranks that disagree (no_sync on
-one rank, a layer used on one rank) end in tiny_zero's error on every rank,
+one rank, a layer used on one rank, a parameter written in place on one rank)
+end in tiny_zero's error on every rank,
 and every process exits non-zero in time."""
 import os
 import re
@@ -82,7 +83,8 @@ TIMEOUT = 4  # seconds, the collective timeout in these runs
 
 
 @pytest.mark.parametrize("name,case", [(name, case) for name in ALL for case in ("no_sync", "layer")] +
-                         [("ddp", "step"), ("zero1", "step"), ("zero3", "last_step")])  # ddp defers its step's check
+                         [("ddp", "step"), ("zero1", "step"), ("zero3", "last_step"),  # ddp defers its step's check
+                          ("ddp", "write"), ("zero3", "write")])
 def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case):
     port = free_port()
     procs = []
@@ -111,4 +113,6 @@ def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case):
         assert "DisagreementError" in err or "CollectiveError" in err, f"rank {rank}:\n{err[-3000:]}"
         if case == "step":
             assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
+        if case == "write":
+            assert "parameters_written_in_place from 0 to 1" in err, f"rank {rank}:\n{err[-3000:]}"
         assert ended - reached < TIMEOUT + 10, f"rank {rank} exited {ended - reached:.0f} s after the disagreement"

@@ -281,7 +281,7 @@ def settle_agreements():
         if differ:
             _unsettled.clear()
             raise DisagreementError(f"ranks disagree on {'; and on '.join(differ)}. Every rank must run the same "
-                                    "forward, backward, no_sync() and optimizer steps")
+                                    "forward, backward, no_sync() and optimizer steps, and change the same parameters")
 
 
 @atexit.register

@@ -118,8 +118,13 @@ class WrapperStateDicts:
         self.sync_params()
         self.versions = param_versions(self.named_params)  # what was written before is loaded over
 
+    def param_writes(self):
+        """{name: parameter} for those written in place since the last look
+        (their version counters moved)."""
+        return {name: p for name, p in self.named_params if p._version != self.versions[p]}
+
     @torch.no_grad()
-    def adopt_param_writes(self):
+    def adopt_param_writes(self, written=None):
         """A write into a parameter in place (p.mul_(mask), p.clamp_(),
         nn.init.*_ after wrapping) lasts in torch. Here it lasts by itself
         where the parameter is a view of what the optimizer steps (fp32 ddp,
@@ -131,8 +136,16 @@ class WrapperStateDicts:
         apart from it (fsdp; zero3, tensor and pipeline under bf16), the write
         cannot be carried: every replica raises. Every in-place write moves the
         parameter's version counter (p._version), as autograd sees it;
-        p.data.mul_() moves none and is not seen."""
-        written = {name: p for name, p in self.named_params if p._version != self.versions[p]}
+        p.data.mul_() moves none and is not seen.
+
+        written: param_writes(), already in an agreement this rank sent (the
+        optimizer step's); None: found and agreed on here. Every rank agrees
+        on how many it saw before any goes on to refuse_lost_writes'
+        collective, which a rank that saw none would never join."""
+        if written is None:
+            written = self.param_writes()
+            comm.agree("the parameters written in place", group=self.replica_group, wait=False,
+                       parameters_written_in_place=len(written))
         if not written:
             return
         pieces = {}

@@ -544,10 +544,11 @@ class Wrapper(WrapperStateDicts, nn.Module):
             if set_to_none:
                 self.buckets.got_grad.discard(p)
 
-    def stepping(self):
+    def stepping(self, written):
         """The parameters the optimizer steps now: those whose p.grad is set,
         as torch.optim (zero_grad(set_to_none=True), or no grad in any backward
-        since, leaves it None). Every rank agrees on them."""
+        since, leaves it None). Every rank agrees on them, and on how many
+        parameters were `written` in place (param_writes) since the last step."""
         self.forget_cleared_grads()
         stepping = []
         for p in self.trainable + self.frozen:  # what this rank holds (a pipeline stage: its own)
@@ -564,7 +565,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
                 self.take_assigned_grad(name, p)
             stepping.append(p)
         comm.agree("the optimizer step", group=self.replica_group, wait=False, step=self.steps,  # before the next collective
-                   defer=self.quiet_until_backward, parameters=parameter_hash(self.param_names(), stepping))
+                   defer=self.quiet_until_backward, parameters=parameter_hash(self.param_names(), stepping),
+                   parameters_written_in_place=len(written))
         return stepping
 
     def take_assigned_grad(self, name, p):
@@ -737,8 +739,9 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         for group in self.param_groups:
             check_options(group)
         model.settle()
-        model.adopt_param_writes()
-        stepping = model.stepping()
+        written = model.param_writes()
+        stepping = model.stepping(written)
+        model.adopt_param_writes(written)  # after the agreement on how many were written
         overflow = model.found_overflow()
         if model.loss_scaler is not None:
             model.loss_scaler.update(overflow)

@@ -47,12 +47,12 @@ class Zero1(Wrapper):
             self.holds_average, self.scaled = False, True
         super().backward_started()
 
-    def stepping(self):
+    def stepping(self, written):
         if self.scaled:
             raise RuntimeError("an optimizer step after a backward inside no_sync() with no backward outside it since, "
                                "and no zero_grad() before: zero1 keeps the grads of neither, averaged; run one backward "
                                "outside no_sync() first")
-        return super().stepping()
+        return super().stepping(written)
 
     @torch.no_grad()
     def reduce_grads(self):
