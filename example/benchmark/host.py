@@ -2,7 +2,7 @@
 
     python example/benchmark/host.py --model gpt2 --repeat 5
 
-One process, one thread, a world of one (gloo). The model has the blocks of
+One process, one thread, a world of one (gloo), on the CPU (a GPU is hidden). The model has the blocks of
 --model (gpt2: 12) at width 16, with a 64-token vocabulary, on a batch of
 1 x 8 tokens: its math takes microseconds a layer, so a step's time is
 nearly all Python, autograd and the calls into torch and torch.distributed.
@@ -19,12 +19,16 @@ time), its ratio to torch's, and the loss of its last step (the same
 computation throughout, so they agree to float rounding).
 """
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout, uninstalled
+# the host's time, measured on its CPU: a GPU in sight would take the
+# parameters (and NCCL the process group) while the batch stayed here
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch
 

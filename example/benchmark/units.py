@@ -73,7 +73,8 @@ def counted(strategy, units, batches, args, device):
         train_step(model, opt, *batches[1])
         memory.settle()
         calls = dict(comm.stats.calls)
-        mine = torch.tensor([memory.peak, memory.peak_breakdown.get("comm_buffers", 0)], dtype=torch.float64)
+        mine = torch.tensor([memory.peak, memory.peak_breakdown.get("comm_buffers", 0)], dtype=torch.float64,
+                            device=device)  # NCCL sends only device tensors
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     peak, buffers = max(everyone, key=lambda t: t[0]).tolist()
