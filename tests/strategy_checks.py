@@ -160,9 +160,12 @@ def bad_input(case):
     try:
         if case == "unsupported":
             module = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(1, 1, 2))
+        elif case == "meta_on_one_rank":  # zero3 would wait for a broadcast of values rank 1 does not have
+            with torch.device("meta" if rank == 1 else "cpu"):
+                module = nn.Sequential(nn.Linear(4, 4))
         else:  # the model differs across ranks
             module = nn.Sequential(nn.Linear(4, 4 + rank))
-        tiny_zero.STRATEGIES["zero2"][0](module)
+        tiny_zero.STRATEGIES["zero3" if case == "meta_on_one_rank" else "zero2"][0](module)
     except (TypeError, RuntimeError) as e:
         return str(e)
     return None

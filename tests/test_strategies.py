@@ -1,5 +1,6 @@
 """Strategy behaviour beyond parity: communication volume, memory held per
-rank, nothing left gathered, meta-device init, bad input, degenerate sizes."""
+rank, nothing left gathered, meta-device init, bad input (a model on meta on
+one rank only too), degenerate sizes."""
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from harness import run_checks  # noqa: E402
 ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 GATHERED = ["zero3", "fsdp"]
 SHARDED = ["zero1", "zero2", "zero3", "fsdp", "offload"]
-BAD_INPUT = ["unsupported", "mismatch"]
+BAD_INPUT = ["unsupported", "mismatch", "meta_on_one_rank"]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,7 @@ def test_model_state_memory_is_the_share(name, world2):
 @pytest.mark.parametrize("case,message", [
     ("unsupported", r"torch.nn.modules.conv.Conv1d: 1 module, e.g. '1'(.|\n)*nn.Linear, nn.LayerNorm, nn.RMSNorm"),
     ("mismatch", r"the model differs across ranks"),
+    ("meta_on_one_rank", r"the model differs across ranks(.|\n)*'meta'"),
 ])
 def test_bad_input_raises_on_every_rank(case, message, world2):
     import re

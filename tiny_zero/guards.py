@@ -17,9 +17,13 @@ def check_not_wrapped(module):
 
 
 def check_same_model_on_all_ranks(module):
-    """One all_gather of the parameter list: names, shapes, dtypes and
-    requires_grad must match, or every rank raises (rather than hang or train garbage)."""
-    mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()]
+    """One all_gather of the parameter list: names, shapes, dtypes,
+    requires_grad and whether on meta must match, or every rank raises (rather
+    than hang or train garbage: a strategy sends a parameter's values only
+    where they exist, so a model on meta on some ranks only would leave those
+    waiting for a broadcast the others never send)."""
+    mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad, "meta" if p.is_meta else "allocated")
+            for name, p in module.named_parameters()]
     everyone = comm.all_gather_object(mine)
     for rank, theirs in enumerate(everyone):
         if theirs != mine:
