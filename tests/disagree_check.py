@@ -9,6 +9,12 @@ tests/test_semantics.py: `python tests/disagree_check.py STRATEGY CASE`.
               told at exit, on every rank (which then exit 0)
     write     at step 2, rank 1 writes a parameter in place (in bf16, where
               zero3 refuses such a write with a collective of its own)
+    save      as last_step, then tiny_zero.checkpoint.save into $SAVE_DIR:
+              the step's disagreement is told there, before anything is
+              written
+    skip      at step 2, rank 1 skips its backward pass (as a loop that
+              skips a batch whose loss is not finite would): the ranks are
+              at different checks, and their messages are the same size
 
 Every rank must end in tiny_zero's error and exit non-zero; on success the
 script prints "no error" and exits 0. Each rank prints when it reaches step
@@ -24,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from semantics_checks import global_batch, make_tiny, my_rows  # noqa: E402
-from tiny_zero import comm  # noqa: E402
+from tiny_zero import checkpoint, comm  # noqa: E402
 
 
 def main():
@@ -44,14 +50,18 @@ def main():
         if case == "no_sync" and odd:
             with model.no_sync():
                 loss.backward()
+        elif case == "skip" and odd:
+            pass
         else:
             loss.backward()
-        if (case == "step" and odd) or (case == "last_step" and step == 3 and rank == 1):
+        if (case == "step" and odd) or (case in ("last_step", "save") and step == 3 and rank == 1):
             next(model.module.parameters()).grad = None
         if case == "write" and odd:
             write_one_parameter(model.module)
         opt.step()
         opt.zero_grad()
+    if case == "save":
+        checkpoint.save(Path(os.environ["SAVE_DIR"]) / "ckpt", model, opt)
     print("no error")
 
 

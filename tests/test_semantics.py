@@ -84,14 +84,15 @@ TIMEOUT = 4  # seconds, the collective timeout in these runs
 
 @pytest.mark.parametrize("name,case", [(name, case) for name in ALL for case in ("no_sync", "layer")] +
                          [("ddp", "step"), ("zero1", "step"), ("zero3", "last_step"),  # ddp defers its step's check
-                          ("ddp", "write"), ("zero3", "write")])
-def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case):
+                          ("ddp", "write"), ("zero3", "write"), ("ddp", "skip"), ("zero2", "skip"),
+                          ("fsdp", "skip"), ("ddp", "save")])
+def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case, tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "TIMEOUT": str(TIMEOUT)}
+               "TIMEOUT": str(TIMEOUT), "SAVE_DIR": str(tmp_path)}
         procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "disagree_check.py"), name, case],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = []
@@ -115,4 +116,9 @@ def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case):
             assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
         if case == "write":
             assert "parameters_written_in_place from 0 to 1" in err, f"rank {rank}:\n{err[-3000:]}"
+        if case == "save":
+            assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
+            assert not any(tmp_path.iterdir()), "the checkpoint of replicas apart was written"
+        if case == "skip":
+            assert "DisagreementError: ranks disagree on what to check" in err, f"rank {rank}:\n{err[-3000:]}"
         assert ended - reached < TIMEOUT + 10, f"rank {rank} exited {ended - reached:.0f} s after the disagreement"

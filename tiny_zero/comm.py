@@ -29,6 +29,7 @@ GatherOrder, gather_units: zero3's and fsdp's units (a block, by default),
 import atexit
 import sys
 import weakref
+import zlib
 from collections import defaultdict
 from datetime import timedelta
 
@@ -172,6 +173,9 @@ def exchange(sends=(), recvs=(), group=None):
 
 
 def all_gather_object(obj):
+    """Every rank's `obj`, after the agreements in flight are settled (as
+    before any collective: a disagreement is told first)."""
+    settle_agreements()
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -245,10 +249,26 @@ def _take_deferred(group):
     return taken
 
 
-def _send(group, checks):
-    """One all-reduce for `checks` ([(what, values), ...]): each value and its
-    negation, with MAX, so that every rank learns the largest and the smallest."""
+SLOTS = 32  # numbers per agreement: always as many, so that ranks at different checks still send equal sizes
+
+
+def _message(checks):
+    """The numbers one agreement sends for `checks`: first a name of what is
+    checked (the checks and their values' names, equal wherever the ranks
+    are at the same checks), then the values, padded with zeros to SLOTS.
+    Values past the last slot but one are folded into it."""
+    names = "|".join(f"{what}:{','.join(values)}" for what, values in checks)
     numbers = [v for _, values in checks for v in values.values()]
+    if len(numbers) > SLOTS - 1:
+        numbers = numbers[:SLOTS - 2] + [zlib.crc32(repr(numbers[SLOTS - 2:]).encode())]
+    return [zlib.crc32(names.encode())] + numbers + [0] * (SLOTS - 1 - len(numbers))
+
+
+def _send(group, checks):
+    """One all-reduce for `checks` ([(what, values), ...]): each number of
+    their message and its negation, with MAX, so that every rank learns the
+    largest and the smallest."""
+    numbers = _message(checks)
     named = checks[0][0] + "".join(f" (with {what})" for what, _ in checks[1:])
     # bookkeeping, not the model's memory: out of sight of tensor-counting modes
     # (whose counts gloo's worker thread would otherwise race when it lets go)
@@ -256,7 +276,7 @@ def _send(group, checks):
         everyone = torch.tensor(numbers + [-v for v in numbers], dtype=torch.int64)
         side = _side_groups[dist.group.WORLD if group is None else group]
         work = dist.all_reduce(everyone, op=dist.ReduceOp.MAX, group=side, async_op=True)
-    _unsettled.append((Pending(work, f"the agreement on {named}", everyone), checks, everyone))
+    _unsettled.append((Pending(work, f"the agreement on {named}", everyone), checks, named, everyone))
 
 
 def settle_agreements():
@@ -266,22 +286,32 @@ def settle_agreements():
         group = _deferred[0][0]
         _send(group, _take_deferred(group))
     while _unsettled:
-        pending, checks, everyone = _unsettled.pop(0)
+        pending, checks, named, everyone = _unsettled.pop(0)
         with _disable_current_modes():
             pending.wait()
-        differ, i, n = [], 0, len(everyone) // 2
+        low, high = (-everyone[SLOTS:]).tolist(), everyone[:SLOTS].tolist()
+        if low[0] != high[0]:
+            _disagree(f"what to check: this rank is at {named}, another rank at something else (a backward "
+                      "pass, an optimizer step or a gather that this rank did not reach, or reached in another order)")
+        count = sum(len(values) for _, values in checks)
+        direct = count if count < SLOTS else SLOTS - 2  # the values with a slot of their own, from slot 1
+        differ, i = [], 1
         for what, values in checks:
             ranges = []
             for name, value in values.items():
-                if everyone[i] != -everyone[n + i]:
-                    ranges.append(f"{name} from {-everyone[n + i].item()} to {everyone[i].item()} (this rank: {value})")
+                if i <= direct and low[i] != high[i]:
+                    ranges.append(f"{name} from {low[i]} to {high[i]} (this rank: {value})")
                 i += 1
             if ranges:
                 differ.append(f"{what}: {'; '.join(ranges)}")
-        if differ:
-            _unsettled.clear()
-            raise DisagreementError(f"ranks disagree on {'; and on '.join(differ)}. Every rank must run the same "
-                                    "forward, backward, no_sync() and optimizer steps, and change the same parameters")
+        if differ or low != high:
+            _disagree("; and on ".join(differ) or f"{named}: the values past the first {SLOTS - 2}")
+
+
+def _disagree(what):
+    _unsettled.clear()
+    raise DisagreementError(f"ranks disagree on {what}. Every rank must run the same forward, backward, no_sync() "
+                            "and optimizer steps, and change the same parameters")
 
 
 @atexit.register

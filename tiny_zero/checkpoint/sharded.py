@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from .. import comm
 from ..materialize import weights_loaded
 from ..state_dicts import state_dict_names
 
@@ -55,6 +56,7 @@ def save(path, model, opt, *, step=0, extra=None):
     path = Path(path)
     failed = f"saving checkpoint {path} failed"
     saving = saving_dir(path)
+    comm.settle_agreements()  # ranks that disagree on a step (their replicas apart) write nothing
     _agree(failed, _attempt(_start_saving, path, saving)[1] if model.rank == 0 else None)
     info, error = _attempt(_write_shard, saving, model, opt)
     infos = _agree(failed, error, info)  # every rank's file is complete after this
@@ -377,8 +379,7 @@ def _agree(context, error, payload=None):
     """Collective: every rank's (error, payload). If any rank has an error,
     every rank raises all of them, so no rank goes on to wait for the others
     in a collective they will never reach. Returns the payloads."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (error, payload))
+    gathered = comm.all_gather_object((error, payload))
     ranks_of = {}
     for rank, (e, _) in enumerate(gathered):
         if e is not None:
