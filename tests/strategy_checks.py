@@ -163,6 +163,10 @@ def bad_input(case):
         elif case == "meta_on_one_rank":  # zero3 would wait for a broadcast of values rank 1 does not have
             with torch.device("meta" if rank == 1 else "cpu"):
                 module = nn.Sequential(nn.Linear(4, 4))
+        elif case == "settings":  # bf16 on rank 1 only: the wrap-time broadcast would mix sizes
+            module = nn.Sequential(nn.Linear(4, 4))
+            tiny_zero.STRATEGIES["zero3"][0](module, mixed_precision="bf16" if rank == 1 else None)
+            return None
         else:  # the model differs across ranks
             module = nn.Sequential(nn.Linear(4, 4 + rank))
         tiny_zero.STRATEGIES["zero3" if case == "meta_on_one_rank" else "zero2"][0](module)

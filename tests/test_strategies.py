@@ -1,6 +1,6 @@
 """Strategy behaviour beyond parity: communication volume, memory held per
 rank, nothing left gathered, meta-device init, bad input (a model on meta on
-one rank only too), degenerate sizes."""
+one rank only, bf16 on one rank only), degenerate sizes."""
 import sys
 from pathlib import Path
 
@@ -13,7 +13,7 @@ from harness import run_checks  # noqa: E402
 ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 GATHERED = ["zero3", "fsdp"]
 SHARDED = ["zero1", "zero2", "zero3", "fsdp", "offload"]
-BAD_INPUT = ["unsupported", "mismatch", "meta_on_one_rank"]
+BAD_INPUT = ["unsupported", "mismatch", "meta_on_one_rank", "settings"]
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,7 @@ def test_model_state_memory_is_the_share(name, world2):
     ("unsupported", r"torch.nn.modules.conv.Conv1d: 1 module, e.g. '1'(.|\n)*nn.Linear, nn.LayerNorm, nn.RMSNorm"),
     ("mismatch", r"the model differs across ranks"),
     ("meta_on_one_rank", r"the model differs across ranks(.|\n)*'meta'"),
+    ("settings", r"ranks disagree on the wrapper's settings: param_dtype from"),
 ])
 def test_bad_input_raises_on_every_rank(case, message, world2):
     import re

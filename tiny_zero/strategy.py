@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from . import comm
 from .distributed import init_distributed, local_device
-from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash
+from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash, value_hash
 from .materialize import full_value, set_data
 from .module import (CallbackLayer, check_no_grad_hooks, check_supported, expects_backward, has_grad_hook,
                      in_backward_pass, recorded, swap_layers)
@@ -152,6 +152,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.device = torch.device(device) if device is not None else local_device()
         check_same_model_on_all_ranks(module)
         comm.open_side_channel()
+        comm.agree("the wrapper's settings", wait=False, strategy=value_hash(type(self).__name__),  # before its first collective
+                   param_dtype=value_hash(self.param_dtype), reduce_dtype=value_hash(self.reduce_dtype),
+                   loss_scaler=int(self.loss_scaler is not None))
         swap_layers(module, self.layer_classes)
         module.to(self.param_dtype)
         layers = [(path, m) for path, m in module.named_modules() if isinstance(m, CallbackLayer)]
