@@ -12,6 +12,7 @@ tests/test_semantics.py: `python tests/disagree_check.py STRATEGY CASE`.
     save      as last_step, then tiny_zero.checkpoint.save into $SAVE_DIR:
               the step's disagreement is told there, before anything is
               written
+    clip      at step 2, rank 1 alone calls model.clip_grad_norm_
     skip      at step 2, rank 1 skips its backward pass (as a loop that
               skips a batch whose loss is not finite would): the ranks are
               at different checks, and their messages are the same size
@@ -56,6 +57,8 @@ def main():
             loss.backward()
         if (case == "step" and odd) or (case in ("last_step", "save") and step == 3 and rank == 1):
             next(model.module.parameters()).grad = None
+        if case == "clip" and odd:
+            model.clip_grad_norm_(1.0)
         if case == "write" and odd:
             write_one_parameter(model.module)
         opt.step()

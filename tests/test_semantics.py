@@ -85,7 +85,7 @@ TIMEOUT = 4  # seconds, the collective timeout in these runs
 @pytest.mark.parametrize("name,case", [(name, case) for name in ALL for case in ("no_sync", "layer")] +
                          [("ddp", "step"), ("zero1", "step"), ("zero3", "last_step"),  # ddp defers its step's check
                           ("ddp", "write"), ("zero3", "write"), ("ddp", "skip"), ("zero2", "skip"),
-                          ("fsdp", "skip"), ("ddp", "save")])
+                          ("fsdp", "skip"), ("ddp", "save"), ("ddp", "clip"), ("zero2", "clip")])
 def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case, tmp_path):
     port = free_port()
     procs = []
@@ -119,6 +119,6 @@ def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case, tmp_path):
         if case == "save":
             assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
             assert not any(tmp_path.iterdir()), "the checkpoint of replicas apart was written"
-        if case == "skip":
+        if case in ("skip", "clip"):
             assert "DisagreementError: ranks disagree on what to check" in err, f"rank {rank}:\n{err[-3000:]}"
         assert ended - reached < TIMEOUT + 10, f"rank {rank} exited {ended - reached:.0f} s after the disagreement"

@@ -592,6 +592,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
         coefficient is applied inside the optimizer's kernel, with the loss
         scale, in the pass that reads the grads."""
         comm.where = "clip_grad_norm_"
+        # every rank clips, by the same max_norm (a rank alone would send the norm's all-reduce alone, or
+        # under ddp, which sends none, step its replica apart); checked before the rank's next collective
+        comm.agree("clip_grad_norm_", wait=False, max_norm=value_hash(float(max_norm)))
         self.forget_cleared_grads()
         self.apply_clip()  # a second clip sees the grads of the first, as torch's
         total_norm = self.grad_square_sum().sqrt() / self.loss_scale
