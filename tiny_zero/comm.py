@@ -238,6 +238,11 @@ def agree(what, group=None, wait=True, defer=False, **values):
         settle_agreements()
 
 
+def value_hash(value):
+    """An integer that names `value` for agree(), the same on every rank."""
+    return zlib.crc32(repr(value).encode())
+
+
 _deferred = []  # agreements not sent yet: (group, what, values)
 _unsettled = []  # agreements sent and not yet checked: (pending, [(what, values), ...], result)
 

@@ -32,11 +32,6 @@ def check_same_model_on_all_ranks(module):
             raise RuntimeError(f"the model differs across ranks (this rank vs rank {rank}): {first}")
 
 
-def value_hash(value):
-    """An integer that names `value` (for comm.agree), the same on every rank."""
-    return zlib.crc32(repr(value).encode())
-
-
 def parameter_hash(name_of, params):
     """An integer that names a set of parameters, the same on every rank."""
     return zlib.crc32("\n".join(sorted(name_of[p] for p in params)).encode())

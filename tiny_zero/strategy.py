@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from . import comm
 from .distributed import init_distributed, local_device
-from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash, value_hash
+from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash
 from .materialize import full_value, set_data
 from .module import (CallbackLayer, check_no_grad_hooks, check_supported, expects_backward, has_grad_hook,
                      in_backward_pass, recorded, swap_layers)
@@ -152,9 +152,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.device = torch.device(device) if device is not None else local_device()
         check_same_model_on_all_ranks(module)
         comm.open_side_channel()
-        comm.agree("the wrapper's settings", wait=False, strategy=value_hash(type(self).__name__),  # before its first collective
-                   param_dtype=value_hash(self.param_dtype), reduce_dtype=value_hash(self.reduce_dtype),
-                   loss_scaler=int(self.loss_scaler is not None))
+        comm.agree("the wrapper's settings", wait=False,  # checked before its first collective
+                   strategy=comm.value_hash(type(self).__name__), param_dtype=comm.value_hash(self.param_dtype),
+                   reduce_dtype=comm.value_hash(self.reduce_dtype), loss_scaler=int(self.loss_scaler is not None))
         swap_layers(module, self.layer_classes)
         module.to(self.param_dtype)
         layers = [(path, m) for path, m in module.named_modules() if isinstance(m, CallbackLayer)]
@@ -594,7 +594,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         comm.where = "clip_grad_norm_"
         # every rank clips, by the same max_norm (a rank alone would send the norm's all-reduce alone, or
         # under ddp, which sends none, step its replica apart); checked before the rank's next collective
-        comm.agree("clip_grad_norm_", wait=False, max_norm=value_hash(float(max_norm)))
+        comm.agree("clip_grad_norm_", wait=False, max_norm=comm.value_hash(float(max_norm)))
         self.forget_cleared_grads()
         self.apply_clip()  # a second clip sees the grads of the first, as torch's
         total_norm = self.grad_square_sum().sqrt() / self.loss_scale

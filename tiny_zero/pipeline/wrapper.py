@@ -35,7 +35,6 @@ import torch.nn as nn
 from .. import comm
 from ..comm import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs, make_buckets
 from ..distributed import init_distributed
-from ..guards import value_hash
 from ..strategy import ScaleGrad, Wrapper
 from .layers import LAYER_CLASSES
 from .schedule import FORWARD, SCHEDULES
@@ -60,7 +59,7 @@ class Pipeline(Wrapper):
         self.first, self.last = self.stage == 0, self.stage == stages - 1
         self.actions = SCHEDULES[schedule](stages, microbatches, self.stage)
         comm.agree("the pipeline", stages=stages, microbatches=microbatches,
-                   schedule=list(SCHEDULES).index(schedule), balance=value_hash(counts))
+                   schedule=list(SCHEDULES).index(schedule), balance=comm.value_hash(counts))
         groups = [comm.new_group(range(s * self.replicas, (s + 1) * self.replicas)) for s in range(stages)]
         self.replica_group = groups[self.stage]
         ends = list(accumulate(counts))
@@ -151,7 +150,7 @@ class Pipeline(Wrapper):
             self.before_backward()
         self.agree_refusing_hooks(f"this {what}", hook_checked, step=self.steps, grad=int(torch.is_grad_enabled()),
                                   no_sync=int(not self.require_grad_sync),
-                                  shapes=value_hash([tuple(x.shape), tuple(y.shape)]))
+                                  shapes=comm.value_hash([tuple(x.shape), tuple(y.shape)]))
         self.inputs = x.to(self.device).chunk(self.microbatches) if self.first else None
         self.targets = y.to(self.device).chunk(self.microbatches) if self.last else None
 
