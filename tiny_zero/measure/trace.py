@@ -293,17 +293,17 @@ class Recorder:
         self.classifying = True  # what it allocates itself does not classify again
         gc.disable()  # nor may the collector free storages halfway through
         try:
-            with self.lock:
+            with self.lock:  # another thread's change (gloo's, freeing) waits until the split is kept
                 point = len(self.changes)
                 categories = self.memory.categories()[0]
+                if len(self.changes) == point:  # else this thread allocated or freed meanwhile: no one state's split
+                    self.points.append((point, {self.serial_of[key]: c for key, c in categories.items()}))
         finally:
             self.classifying = False
             if collecting:
                 gc.enable()
         ended = time.thread_time()
         self.next_optional = ended + (ended - began) / SPLIT_BUDGET
-        if len(self.changes) == point:  # else another thread allocated or freed meanwhile: no one state's split
-            self.points.append((point, {self.serial_of[key]: c for key, c in categories.items()}))
 
     def _memory_curve(self, origin):
         """[(stamp, {category: bytes})]: the state from each change on. A
