@@ -265,8 +265,8 @@ def _message(checks):
     names = "|".join(f"{what}:{','.join(values)}" for what, values in checks)
     numbers = [v for _, values in checks for v in values.values()]
     if len(numbers) > SLOTS - 1:
-        numbers = numbers[:SLOTS - 2] + [zlib.crc32(repr(numbers[SLOTS - 2:]).encode())]
-    return [zlib.crc32(names.encode())] + numbers + [0] * (SLOTS - 1 - len(numbers))
+        numbers = numbers[:SLOTS - 2] + [value_hash(numbers[SLOTS - 2:])]
+    return [value_hash(names)] + numbers + [0] * (SLOTS - 1 - len(numbers))
 
 
 def _send(group, checks):
