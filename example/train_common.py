@@ -40,6 +40,7 @@ from example.model import CONFIGS, build_model as build_example
 import tiny_zero
 from tiny_zero import comm
 from tiny_zero.measure import draw, estimate, trace
+from tiny_zero.distributed import uses_cuda
 from tiny_zero.measure.memory import TensorMemory
 from tiny_zero.pipeline import Pipeline
 from tiny_zero.tensor import TensorParallel
@@ -105,7 +106,7 @@ def parse_args(description=None, argv=None, add_flags=None):
         p.error(str(e))
     if args.seq_len > block_size:
         p.error(f"--seq-len {args.seq_len} is longer than model {args.model}'s block_size {block_size}")
-    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the wrappers choose alike
+    args.device = torch.device("cuda" if uses_cuda() else "cpu")  # the wrappers choose alike
     return args
 
 
@@ -425,7 +426,7 @@ class Accounting:
             print("\n".join(line.rstrip() for line in lines))
 
     def memory_lines(self, module, numel, precision, n):
-        memory, cuda = self.memory, torch.cuda.is_available()
+        memory, cuda = self.memory, self.memory is None
         mine = (memory.peak if memory is not None else torch.cuda.max_memory_allocated(),
                 memory.peak_breakdown if memory is not None else None,
                 (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if cuda else None,

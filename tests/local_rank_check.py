@@ -28,6 +28,7 @@ from tiny_zero import distributed  # noqa: E402
 def device_choice():
     chosen = []
     with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(torch.cuda, "device_count", return_value=8), \
             mock.patch.object(torch.cuda, "set_device", side_effect=chosen.append):
         device = distributed.local_device()
     return device, chosen

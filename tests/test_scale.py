@@ -108,11 +108,36 @@ def test_device_follows_local_rank_not_rank(monkeypatch):
     """Global rank 3 is the second process on its node: cuda:1."""
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert distributed.uses_cuda()
     assert distributed.local_device() == torch.device("cuda", 1)
     assert chosen == [torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_ranks_beyond_the_gpus_all_run_on_the_cpu(monkeypatch, capfd, local_rank):
+    """torchrun --nproc_per_node 2 on a machine with one GPU: cuda:1 does not
+    exist, and NCCL cannot put two ranks on one GPU, so both ranks of the
+    machine (rank 0 too, whose cuda:0 exists) run on the CPU with gloo; local
+    rank 0 says so in one line."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    distributed._say_on_cpu.cache_clear()
+    assert not distributed.uses_cuda()
+    assert distributed.local_device() == torch.device("cpu")
+    assert chosen == []
+    said = capfd.readouterr().err.strip().splitlines()
+    expected = ["tiny_zero: 2 ranks on this machine but 1 GPU(s) visible: every rank runs on the CPU with gloo "
+                "(start at most 1 ranks per machine to train on the GPUs)"]
+    assert said == (expected if local_rank == 0 else [])
 
 
 def test_gpt2_xl_as_one_of_8_ranks():
