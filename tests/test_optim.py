@@ -90,10 +90,12 @@ def test_triton_kernel_matches_torch_adamw_on_cuda():
     assert_tracks_torch_adamw("auto", "cuda")
     # Large enough for many programs, odd tail; low-precision grad and param_out.
     flat_update_case(n=3 * 1024 * 1024 + 17, device="cuda")
+    flat_update_case(n=1024 + 17, device="cuda", scale_on_device=True)
 
 
-def flat_update_case(n, device, kernel="triton"):
-    """adamw_update_ with a bf16 grad, grad_scale != 1 and a bf16 param_out vs the torch path."""
+def flat_update_case(n, device, kernel="triton", scale_on_device=False):
+    """adamw_update_ with a bf16 grad, grad_scale != 1 and a bf16 param_out vs the torch path;
+    scale_on_device: grad_scale a 0-d tensor (a clip coefficient the host never reads)."""
     g = torch.Generator().manual_seed(2)
     p0, m0 = torch.randn(n, generator=g) * 0.5, torch.randn(n, generator=g) * 0.1  # |p| < 4: fp32 ulp < 1e-6
     v0, grad = torch.rand(n, generator=g) * 0.01, torch.randn(n, generator=g) * 64
@@ -101,9 +103,10 @@ def flat_update_case(n, device, kernel="triton"):
     for name in (kernel, "torch"):
         p, m, v = (t.clone().to(device) for t in (p0, m0, v0))
         out = torch.empty(n, dtype=torch.bfloat16, device=device)
+        scale = torch.tensor(1 / 64, device=device) if scale_on_device else 1 / 64
         for step in (1, 2, 3):
             adamw_update_(p, grad.to(device, torch.bfloat16), m, v, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                          weight_decay=0.1, step=step, grad_scale=1 / 64, param_out=out, kernel=name)
+                          weight_decay=0.1, step=step, grad_scale=scale, param_out=out, kernel=name)
         results[name] = (p, m, v, out)
     for what, a, b in zip(("param", "exp_avg", "exp_avg_sq"), results[kernel], results["torch"]):
         assert (a - b).abs().max().item() <= 1e-6, what
@@ -138,6 +141,7 @@ def test_triton_kernel_in_interpreter():
         t.SHAPES[:] = [(1,), (7, 3), (kernel.BLOCK + 5,)]  # tail not a multiple of BLOCK
         t.assert_tracks_torch_adamw("triton", "cpu", steps=20)
         t.flat_update_case(n=2 * kernel.BLOCK + 3, device="cpu")
+        t.flat_update_case(n=kernel.BLOCK + 3, device="cpu", scale_on_device=True)
         print(json.dumps({"ok": True, "block": kernel.BLOCK}))
     """, TRITON_INTERPRET="1")
     result = json.loads(out.strip().splitlines()[-1])

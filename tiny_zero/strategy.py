@@ -176,7 +176,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.host = []  # what a rank keeps in host memory, off its device (offload: what the step reads and writes)
         self.buckets = None
         self.require_grad_sync = True
-        self.clip_coef = 1.0
+        self.clip_coef = None  # a clip's coefficient, pending (a 0-d tensor on the grads' device)
         self.steps = 0  # optimizer steps taken
         self.backwards = 0  # backward passes since the last step
         self.in_backward = False
@@ -493,7 +493,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             elif p.grad is not None and not isinstance(p.grad, ShardedGrad):
                 p.grad.zero_()
         if set(params).issuperset(self.trainable):
-            self.clip_coef = 1.0  # nothing left to clip
+            self.clip_coef = None  # nothing left to clip
             self.clear_grads(set_to_none)
             self.buckets.clear(keep_got_grad=not set_to_none)
             if set_to_none:
@@ -590,7 +590,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
         torch.nn.utils.clip_grad_norm_ on the unsharded model; returns the norm
         before clipping (a tensor; of the unscaled grads under fp16). The
         coefficient is applied inside the optimizer's kernel, with the loss
-        scale, in the pass that reads the grads."""
+        scale, in the pass that reads the grads. It stays on the device, as
+        torch's: the host never waits for the norm."""
         comm.where = "clip_grad_norm_"
         # every rank clips, by the same max_norm (a rank alone would send the norm's all-reduce alone, or
         # under ddp, which sends none, step its replica apart); checked before the rank's next collective
@@ -598,7 +599,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.forget_cleared_grads()
         self.apply_clip()  # a second clip sees the grads of the first, as torch's
         total_norm = self.grad_square_sum().sqrt() / self.loss_scale
-        self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()
+        self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         return total_norm
 
     @torch.no_grad()
@@ -609,10 +610,10 @@ class Wrapper(WrapperStateDicts, nn.Module):
         torch); whatever else reads or adds to the grads after a clip (a
         second clip, a backward before zero_grad) gets them as torch's
         clip_grad_norm_ leaves them: clipped, at the cost of this one pass."""
-        if self.clip_coef != 1.0:
+        if self.clip_coef is not None:
             for g in self.grads.values():
                 g.mul_(self.clip_coef)
-            self.clip_coef = 1.0
+            self.clip_coef = None
 
     def grad_square_sum(self):
         """The sum of the squares of the model's averaged grads, every element
@@ -634,7 +635,10 @@ class Wrapper(WrapperStateDicts, nn.Module):
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def grad_scale(self):
-        """What the optimizer multiplies the grads by: unscale and clip."""
+        """What the optimizer multiplies the grads by: unscale and clip (a
+        number, or a 0-d tensor on the grads' device after a clip)."""
+        if self.clip_coef is None:
+            return 1.0 / self.loss_scale
         return self.clip_coef / self.loss_scale
 
     @torch.no_grad()

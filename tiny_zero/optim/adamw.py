@@ -45,7 +45,8 @@ def adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, we
     """One AdamW step on flat 1-D tensors of equal numel, in place.
 
     param: fp32 (master weights), contiguous. grad: any float dtype; the step uses
-    grad.float() * grad_scale (grad_scale: 1/loss_scale times a clipping coefficient).
+    grad.float() * grad_scale (grad_scale: 1/loss_scale times a clipping coefficient; a number, or
+    a 0-d fp32 tensor on param's device that the kernel reads itself, so the host never waits for it).
     exp_avg, exp_avg_sq: fp32, updated in place. step: the step count after incrementing (>= 1).
     param_out: optional tensor of the same numel (fp16/bf16/fp32) that receives the updated
     param, cast, in the same pass.

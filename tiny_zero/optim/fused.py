@@ -12,6 +12,8 @@ it agrees bit for bit (tests/test_offload.py).
 """
 import torch
 
+from .reference import scales
+
 # Elements per launch where the grad needs an fp32 copy (a low-precision grad,
 # grad_scale != 1) or param_out is written: the copy stays small (no fresh
 # pages to fault in at every step), and param_out is written from what the
@@ -23,12 +25,12 @@ BLOCK = 2**20
 def fused_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
                         grad_scale=1.0, param_out=None):
     steps = [torch.tensor(float(step), device=param.device)]
-    plain = grad.dtype == torch.float32 and grad_scale == 1.0 and param_out is None
+    plain = grad.dtype == torch.float32 and not scales(grad_scale) and param_out is None
     size = max(1, param.numel()) if plain else BLOCK
     for lo in range(0, param.numel(), size):
         block = slice(lo, lo + size)
         g = grad[block].float()  # the kernel wants the parameter's dtype; no copy when grad is already fp32
-        if grad_scale != 1.0:
+        if scales(grad_scale):
             g = g * grad_scale  # out of place, as the reference: never modify the caller's grad
         torch._fused_adamw_([param[block]], [g], [exp_avg[block]], [exp_avg_sq[block]], [], steps,
                             lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,

@@ -29,12 +29,16 @@ NUM_WARPS = 4
 @triton.jit
 def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n,
                   decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                  grad_scale, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+                  grad_scale, SCALE_IN_MEMORY: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: numel may exceed 2**31
     mask = offs < n
+    if SCALE_IN_MEMORY:  # a 0-d tensor on the device (a clip coefficient): read here, never by the host
+        scale = tl.load(grad_scale)
+    else:
+        scale = grad_scale
 
     p = tl.load(p_ptr + offs, mask=mask)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * grad_scale
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * scale
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
 
@@ -70,11 +74,12 @@ def triton_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, 
         eps=float(eps),
         step_size=float(lr / bias_correction1),
         bias_correction2_sqrt=float(bias_correction2 ** 0.5),
-        grad_scale=float(grad_scale),
     )
+    in_memory = isinstance(grad_scale, torch.Tensor)
+    scalars["grad_scale"] = grad_scale.float() if in_memory else float(grad_scale)
     out = param if param_out is None else param_out  # a dummy pointer when there is no param_out
     grid = (triton.cdiv(n, BLOCK),)
     # Launch on the tensors' GPU even when another one is current.
     with torch.cuda.device(param.device) if param.is_cuda else contextlib.nullcontext():
-        _adamw_kernel[grid](param, grad, exp_avg, exp_avg_sq, out, n, **scalars,
+        _adamw_kernel[grid](param, grad, exp_avg, exp_avg_sq, out, n, **scalars, SCALE_IN_MEMORY=in_memory,
                             HAS_OUT=param_out is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)

@@ -8,6 +8,12 @@ single-tensor implementation, so on the same device the results are bit-identica
 import torch
 
 
+def scales(grad_scale):
+    """grad_scale changes the grads: a tensor (a clip coefficient, kept on the
+    device: comparing it with 1 would wait for the device), or a number other than 1."""
+    return isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
+
+
 def torch_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
                         grad_scale=1.0, param_out=None):
     """One AdamW step on flat fp32 `param`, `exp_avg`, `exp_avg_sq` (updated in place).
@@ -23,7 +29,7 @@ def torch_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
     bias_correction2_sqrt = bias_correction2 ** 0.5
 
     g = grad.float()  # no copy when grad is already fp32
-    if grad_scale != 1.0:
+    if scales(grad_scale):
         g = g * grad_scale  # out of place: never modify the caller's grad
 
     if weight_decay != 0:
@@ -46,7 +52,7 @@ def torch_adamw_update_many_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1,
     bias_correction2_sqrts = [(1 - beta2 ** step) ** 0.5 for step in steps]
 
     g = [grad.float() for grad in grads]
-    if grad_scale != 1.0:
+    if scales(grad_scale):
         g = torch._foreach_mul(g, grad_scale)
 
     if weight_decay != 0:
