@@ -10,7 +10,7 @@ from pathlib import Path
 import tiny_zero
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ["torch", "single_device", *tiny_zero.STRATEGIES]
+RUNS = ["torch", "torch_ddp", "torch_fsdp2", "single_device", *tiny_zero.STRATEGIES]
 
 
 def run_tiny():

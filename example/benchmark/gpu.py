@@ -41,9 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import tiny_zero
+from example.benchmark.peers import torch_ddp, torch_fsdp2
 from example.model import build_model, count_parameters
+from tiny_zero.distributed import init_distributed
 from tiny_zero.module import swap_layers
 from tiny_zero.optim import AdamW, adamw_update_
 
@@ -54,7 +57,7 @@ HYPER = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 PEAK_FLOPS = 989e12  # H100 SXM, bf16 dense (tensor cores), from NVIDIA's datasheet
 # Tiny-DeepSpeed's published single-GPU peak memory (their README; their batch and sequence length)
 TINY_DEEPSPEED_GB = {"gpt2": 4.65, "gpt2-medium": 10.12, "gpt2-large": 17.35}
-RUNS = ("torch", "single_device") + tuple(tiny_zero.STRATEGIES)
+RUNS = ("torch", "torch_ddp", "torch_fsdp2", "single_device") + tuple(tiny_zero.STRATEGIES)
 BYTES_PER_ELEMENT = {"copy": 8, "adamw": 28}
 
 
@@ -141,10 +144,20 @@ def print_kernel_table(rows):
 
 # ---------------------------------------------------------------- (2) GPT-2 steps
 
+def torch_run(run, module):
+    """torch's module for a torch run: itself, wrapped by DDP, or sharded by FSDP2 (world 1)."""
+    if run == "torch":
+        return module.to(device())
+    init_distributed()
+    if run == "torch_ddp":
+        return torch_ddp(module, device())
+    return torch_fsdp2(module, device(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+
 def build_run(run, module):
     """(forward_backward(x, y) -> loss, optimizer) for one run over `module` (fp32, on the CPU)."""
-    if run == "torch":  # fp32 weights, bf16 compute under autocast: how plain torch trains in bf16
-        module.to(device())
+    if run.startswith("torch"):  # fp32 weights, bf16 compute under autocast: how plain torch trains in bf16
+        module = torch_run(run, module)
         opt = torch.optim.AdamW(module.parameters(), fused=True, **HYPER)
 
         def forward_backward(x, y):
@@ -272,6 +285,8 @@ def main(sizes=SIZES, models=MODELS, batch=BATCH, seq_len=SEQ_LEN, warmup=WARMUP
     print(f"\n(2) GPT-2, bf16, world 1, batch {batch} x {seq_len} tokens; median of {steps} steps after "
           f"{warmup} warm-up steps")
     print("torch: torch.nn layers, fp32 parameters, torch.autocast(bfloat16), torch.optim.AdamW(fused=True).")
+    print("torch_ddp: the same in torch's DistributedDataParallel. torch_fsdp2: the same sharded by fully_shard "
+          "per block with MixedPrecisionPolicy(param_dtype=bfloat16), under the same autocast.")
     print("single_device: tiny_zero layers (tiny_zero.module.swap_layers), bf16 parameters, tiny_zero.optim.AdamW "
           "(fp32 masters).")
     print("ddp ... fsdp: tiny_zero.STRATEGIES[name], mixed_precision='bf16'.")

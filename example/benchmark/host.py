@@ -10,9 +10,15 @@ On a GPU that host time is what a step costs whenever it exceeds the
 kernels' time (docs/benchmarks.md, GPU). Trained in turn, --repeat times,
 from the same weights on the same batch:
 
-  torch          torch.nn layers, torch.optim.AdamW
+  torch          torch.nn layers, torch.optim.AdamW(fused=True): torch's fastest loop
+  torch_ddp      the same, wrapped in torch's DistributedDataParallel
+  torch_fsdp2    the same, sharded by FSDP2's fully_shard, a unit per block
   single_device  tiny_zero.module.swap_layers and tiny_zero.optim.AdamW
   ddp ... fsdp   each of tiny_zero.STRATEGIES, wrapped at world size 1
+
+torch_ddp's and torch_fsdp2's ratios are what torch's own wrappers add to a
+step's host time: tiny_zero's ddp, zero1, zero2 and offload aim below DDP's,
+its zero3 and fsdp below half of FSDP2's.
 
 The table gives each run's best median step (other load only ever adds
 time), its ratio to torch's, and the loss of its last step (the same
@@ -33,12 +39,16 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 import torch
 
 import tiny_zero
+from example.benchmark.peers import torch_ddp, torch_fsdp2
 from example.model import CONFIGS, build_model
 from tiny_zero.distributed import init_distributed
 from tiny_zero.module.swap import swap_layers
 from tiny_zero.optim import AdamW
 
 HYPER = dict(lr=1e-3, weight_decay=0.1)
+TORCH_RUNS = {"torch": lambda model: model,
+              "torch_ddp": lambda model: torch_ddp(model, torch.device("cpu")),
+              "torch_fsdp2": lambda model: torch_fsdp2(model, torch.device("cpu"))}
 NARROW = dict(n_embd=16, n_head=2, vocab_size=64, block_size=16)  # the layers of --model, next to no math
 
 
@@ -55,8 +65,9 @@ def parse_args():
 def build(name, model_name):
     """(model, optimizer, backward) of one run, from the same seed."""
     model = build_model(model_name, seed=0, **NARROW)
-    if name == "torch":
-        return model, torch.optim.AdamW(model.parameters(), **HYPER), torch.Tensor.backward
+    if name in TORCH_RUNS:
+        model = TORCH_RUNS[name](model)
+        return model, torch.optim.AdamW(model.parameters(), fused=True, **HYPER), torch.Tensor.backward
     if name == "single_device":
         swap_layers(model)
         return model, AdamW(model.parameters(), **HYPER), torch.Tensor.backward
@@ -87,7 +98,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, NARROW["vocab_size"], (1, 9), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    runs = {name: [] for name in ["torch", "single_device", *tiny_zero.STRATEGIES]}
+    runs = {name: [] for name in [*TORCH_RUNS, "single_device", *tiny_zero.STRATEGIES]}
     for _ in range(args.repeat):
         for name in runs:
             runs[name].append(timed_run(name, x, y, args))

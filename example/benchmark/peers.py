@@ -103,12 +103,18 @@ def build_torch_ddp(module, device, hyper, batch_size):
 
 
 def build_torch_fsdp2(module, device, hyper, batch_size):
+    module = torch_fsdp2(module, device)
+    return module, torch.optim.AdamW(module.parameters(), **hyper), torch.Tensor.backward, None
+
+
+def torch_fsdp2(module, device, **options):
+    """The GPT sharded by FSDP2 (options: fully_shard's, as mp_policy)."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     module.to(device)
     for block in module.blocks:  # one all-gather / reduce-scatter unit per transformer block
-        fully_shard(block, mesh=mesh)
-    fully_shard(module, mesh=mesh)  # the rest: embeddings (tied with the head), final LayerNorm
-    return module, torch.optim.AdamW(module.parameters(), **hyper), torch.Tensor.backward, None
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(module, mesh=mesh, **options)  # the rest: embeddings (tied with the head), final LayerNorm
+    return module
 
 
 def build_torch_zero_redundancy(module, device, hyper, batch_size):
