@@ -1,12 +1,16 @@
 """Hugging Face models, built here from tiny configs (nothing is downloaded;
 save_pretrained to a temporary directory stands in for a download).
 
-- Each class tiny_zero adapts (transformers' Conv1D and RMSNorm classes)
-  computes what the original computes: outputs and grads, fp32 and bf16.
+- Each class tiny_zero adapts (transformers' Conv1D, RMSNorm classes,
+  T5LayerNorm, Gemma's and OPT's embeddings) computes what the original
+  computes: outputs and grads, fp32, bf16 and mixed.
 - Whole models convert and equal the original: Llama, Qwen2/3, Mistral,
-  Gemma, GPT-2, BERT (its aliased bias).
+  Gemma, GPT-2, BERT (its aliased bias), OPT, Phi-3, T5; Mixtral's experts
+  and ViT's Conv2d are refused by name.
 - Llama, Qwen2 (tied head) and GPT-2 trained by every strategy on 2 and 3
-  ranks equal single-process torch over 4 AdamW steps (eps=1).
+  ranks equal single-process torch over 4 AdamW steps (eps=1); Gemma (its
+  scaled embedding tied to the head), OPT, Phi-3 and T5 trained by zero3 and
+  fsdp on 2 ranks too.
 - Fine-tuning as transformers users write it (padding, attention mask,
   labels -100, labels= loss, gradient checkpointing) equals torch too.
 - load_pretrained: a saved model (one safetensors file, an index of shards,
@@ -98,9 +102,10 @@ def test_adapted_layer_equals_the_original(name, dtype):
     tiny_zero's lookup."""
     torch.manual_seed(0)
     theirs = foreign_layer(name)
-    if dtype != "fp32" and dtype != "bf16" and isinstance(theirs, transformers.pytorch_utils.Conv1D):
+    mixed = dtype not in ("fp32", "bf16")
+    if mixed and isinstance(theirs, transformers.pytorch_utils.Conv1D):
         pytest.skip("addmm takes no mixed dtypes, in transformers' Conv1D as in ours")
-    if dtype != "fp32" and dtype != "bf16" and isinstance(theirs, nn.Embedding):
+    if mixed and isinstance(theirs, nn.Embedding):
         pytest.skip("an embedding's input is integers")
     if dtype.startswith("bf16"):
         theirs = theirs.bfloat16()
@@ -162,8 +167,8 @@ def test_whole_model_converts_and_equals_the_original(name):
     ("vit", ["torch.nn.modules.conv.Conv2d: 1 module, e.g. 'vit.embeddings.patch_embeddings.projection'"])])
 def test_models_with_layers_tiny_zero_lacks_are_refused_by_name(name, refused):
     """Mixtral's experts (one 3-D tensor of every expert's weights) and its
-    router, ViT's Conv2d patch embedding: refused, each named, the rest of
-    the model left as it was (its RMSNorm is one tiny_zero adapts)."""
+    router, ViT's Conv2d patch embedding: refused, each named, and nothing
+    converted (not even Mixtral's RMSNorm, which tiny_zero adapts)."""
     model = tiny_model(name)
     with pytest.raises(TypeError) as error:
         swap_layers(model)
