@@ -26,13 +26,25 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_
 
 def configs():
     """name: (model class, config). Llama: untied head, grouped-query attention;
-    Qwen2: tied head, qkv biases; GPT-2: transformers' Conv1D, tied head."""
+    Qwen2: tied head, qkv biases; GPT-2: transformers' Conv1D, tied head.
+    Gemma: a scaled embedding (its own forward) tied to the head; OPT: a
+    learned position embedding with an offset; Phi-3: Phi3RMSNorm, fused qkv;
+    T5: an encoder-decoder, T5LayerNorm, relative attention buckets."""
     return {
         "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL)),
         "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**SMALL, tie_word_embeddings=True)),
         "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+        "gemma": (transformers.GemmaForCausalLM, transformers.GemmaConfig(**SMALL, head_dim=8)),
+        "opt": (transformers.OPTForCausalLM, transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, bos_token_id=0,
+            eos_token_id=0, pad_token_id=0)),
+        "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config(**SMALL)),
+        "t5": (transformers.T5ForConditionalGeneration, transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, dropout_rate=0.0,
+            relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=0)),
     }
 
 
@@ -41,11 +53,19 @@ def build(name, seed=0, **config_changes):
     for key, value in config_changes.items():
         setattr(config, key, value)
     torch.manual_seed(seed)
-    return cls(config)
+    model = cls(config)
+    if name == "gemma":  # its norms start with w = 0, where Gemma's 1 + w and w would differ least
+        with torch.no_grad():
+            for m in model.modules():
+                if type(m).__name__ == "GemmaRMSNorm":
+                    m.weight.normal_()
+    return model
 
 
 def loss_of(model, x, y):
-    return F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+    """An encoder-decoder (T5) reads x on both sides."""
+    decoder = dict(decoder_input_ids=x) if getattr(model, "module", model).config.is_encoder_decoder else {}
+    return F.cross_entropy(model(input_ids=x, **decoder).logits.flatten(0, 1), y.flatten())
 
 
 def global_batch(step, world_size):
@@ -106,7 +126,10 @@ def parity(names, strategies):
     for name in names:
         ref = reference(name, dist.get_world_size())
         for strategy in strategies:
-            results[name, strategy] = train_and_compare(name, strategy, ref)
+            try:
+                results[name, strategy] = train_and_compare(name, strategy, ref)
+            except Exception:  # as a failure: the other models and strategies still run
+                results[name, strategy] = ([f"{name}/{strategy}: {traceback.format_exc(limit=-3)}"], None, None)
     return results
 
 

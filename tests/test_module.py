@@ -246,6 +246,35 @@ def test_a_subclass_with_its_own_forward_is_refused():
         swap_layers(model)
 
 
+class Scaled(nn.Embedding):
+    """Gemma's embedding in plain torch: a forward of its own around nn.Embedding's."""
+
+    def forward(self, idx):
+        return super().forward(idx) * 2
+
+
+class TiedScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = Scaled(11, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))
+
+
+def test_a_subclass_with_its_own_forward_is_refused_even_tied_to_a_converted_layer():
+    """The head Linear holds the embedding's weight, and converts; the
+    embedding would not, and its forward would read the weight where a
+    strategy holds it released (zeros)."""
+    model = TiedScaled()
+    with pytest.raises(TypeError, match=r"test_module.Scaled: 1 module, e.g. 'emb' \(a subclass of nn.Embedding "
+                                        r"with a forward of its own"):
+        swap_layers(model)
+    assert type(model.head) is nn.Linear  # nothing was converted
+
+
 class AliasedBias(nn.Module):
     """BERT's prediction head: its own `bias` is the decoder's bias, one tensor."""
 

@@ -239,19 +239,29 @@ class RMSNorm(CallbackLayer, nn.RMSNorm):
     """y = x̂ w with x̂ = x / rms(x), rms(x) = sqrt(mean(x²) + eps), statistics in fp32.
 
     Implementations differ in where the result is cast back to the input
-    dtype (bf16/fp16 only) and in the scale; two attributes follow the layer
+    dtype (bf16/fp16 only) and in the scale; three attributes follow the layer
     being replaced (tiny_zero/module/swap.py sets them on adapted layers):
       cast_before_scale  False: torch's nn.RMSNorm, x̂ w in fp32, then the cast.
                          True: the RMSNorm of Hugging Face's Llama, Qwen and
                          Mistral, w · cast(x̂), whose product may promote (an
                          fp32 w times a bf16 x̂ is fp32).
+      cast_to_weight_dtype  with cast_before_scale, T5's LayerNorm: the cast
+                         is to w's dtype where w is fp16 or bf16, and none
+                         otherwise (x̂ stays fp32), whatever the input's dtype.
       weight_offset      1.0 for Gemma's RMSNorm, which scales x̂ by 1 + w.
     """
     cast_before_scale = False
+    cast_to_weight_dtype = False
     weight_offset = 0.0
 
     def _dims(self):
         return tuple(range(-len(self.normalized_shape), 0))
+
+    def _cast(self, xhat, x):
+        """cast(x̂) of cast_before_scale: to the input's dtype, or as T5 casts."""
+        if not self.cast_to_weight_dtype:
+            return xhat.to(x.dtype)
+        return xhat.to(self.weight.dtype) if self.weight.dtype in (torch.float16, torch.bfloat16) else xhat
 
     def _scale(self, dtype):
         """What x̂ is multiplied by, in `dtype`: w, or Gemma's 1 + w (added in fp32)."""
@@ -271,7 +281,7 @@ class RMSNorm(CallbackLayer, nn.RMSNorm):
         if self.weight is None:
             return xhat.to(x.dtype)
         if self.cast_before_scale:
-            return self.weight * xhat.to(x.dtype)
+            return self.weight * self._cast(xhat, x)
         return (xhat * self._scale(xhat.dtype)).to(x.dtype)
 
     def backward_callback(self, ctx, grad_out):
@@ -288,10 +298,10 @@ class RMSNorm(CallbackLayer, nn.RMSNorm):
         if self.weight is None:
             g = grad_out.to(rstd.dtype)
         elif self.cast_before_scale:  # y = w h with h = cast(x̂)
-            h = xhat.to(x.dtype)
+            h = self._cast(xhat, x)
             if trains(ctx, self.weight):  # dw = Σ dy h
                 self.accumulate_grad(self.weight, _rows(grad_out * h, width).sum(0).view_as(self.weight))
-            g = (grad_out * self.weight).to(x.dtype).to(rstd.dtype)  # dh = dy w, rounded to h's dtype as autograd does
+            g = (grad_out * self.weight).to(h.dtype).to(rstd.dtype)  # dh = dy w, rounded to h's dtype as autograd does
         else:  # y = cast(x̂ s) with s = w + offset in fp32
             dy = grad_out.to(rstd.dtype)
             if trains(ctx, self.weight):  # dw = Σ dy x̂

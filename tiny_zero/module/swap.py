@@ -15,7 +15,14 @@ tiny_zero layer of that kind. Converted are:
     matched by qualified name (FOREIGN), so tiny_zero never imports them.
 A layer of any class but its kind's own gets a class made for it that
 subclasses both the tiny_zero layer and its own class: the tiny_zero forward
-runs, and isinstance(layer, LlamaRMSNorm) still holds.
+runs, and isinstance(layer, LlamaRMSNorm) still holds. A FOREIGN class in
+FORWARD_AROUND keeps its own forward, which runs around the tiny_zero
+layer's: it calls super().forward() (Gemma's embedding scales its result).
+
+A subclass of a torch layer that is not converted is refused even where a
+converted layer holds its parameter (Gemma's embedding, tied to the head
+Linear): a strategy releases that parameter outside the converted layer's
+forward, and the subclass's own forward would read the released zeros.
 """
 import functools
 
@@ -44,18 +51,35 @@ def _gemma_rms_norm(layer):
     layer.weight_offset = 1.0
 
 
+def _t5_layer_norm(layer):
+    """T5 (an RMSNorm, as its name does not say): y = w · x̂, x̂ cast to w's dtype
+    only where w is fp16 or bf16."""
+    _llama_rms_norm(layer)
+    layer.cast_to_weight_dtype = True
+
+
 def _transformers(model, cls):
     return f"transformers.models.{model}.modeling_{model}.{cls}"
 
+
+# Classes whose own forward runs, around the tiny_zero layer's: each calls
+# super().forward() and computes only on its input and on that result (Gemma
+# scales it; OPT turns an attention mask into positions). None reads a
+# parameter itself, which a strategy holds released outside the layer's forward.
+FORWARD_AROUND = [_transformers(model, cls) for model, cls in [
+    ("gemma", "GemmaTextScaledWordEmbedding"), ("gemma2", "Gemma2TextScaledWordEmbedding"),
+    ("gemma3", "Gemma3TextScaledWordEmbedding"), ("opt", "OPTLearnedPositionalEmbedding")]]
 
 # qualified class name -> (kind, what sets the attributes the tiny_zero layer reads, or None)
 FOREIGN = {
     "transformers.pytorch_utils.Conv1D": (Conv1D, None),  # the same nf, nx, weight and bias
     **{_transformers(model, cls): (nn.RMSNorm, _llama_rms_norm) for model, cls in [
         ("llama", "LlamaRMSNorm"), ("qwen2", "Qwen2RMSNorm"), ("qwen3", "Qwen3RMSNorm"),
-        ("mistral", "MistralRMSNorm")]},
+        ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"), ("phi3", "Phi3RMSNorm")]},
     **{_transformers(model, cls): (nn.RMSNorm, _gemma_rms_norm) for model, cls in [
         ("gemma", "GemmaRMSNorm"), ("gemma2", "Gemma2RMSNorm"), ("gemma3", "Gemma3RMSNorm")]},
+    _transformers("t5", "T5LayerNorm"): (nn.RMSNorm, _t5_layer_norm),
+    **{name: (nn.Embedding, None) for name in FORWARD_AROUND},
 }
 
 
@@ -66,14 +90,18 @@ def qualified_name(cls):
 def layer_kind(layer):
     """The kind (a key of DEFAULT_CLASSES) that swap_layers converts `layer`
     to, or None if it does not convert it."""
-    cls = type(layer)
+    return class_kind(type(layer))
+
+
+def class_kind(cls):
+    """layer_kind of a layer of class `cls`."""
     for kind, ours in DEFAULT_CLASSES.items():
         if cls is kind or issubclass(cls, ours):  # a torch layer, or one converted before
             return kind
     if qualified_name(cls) in FOREIGN:
         return FOREIGN[qualified_name(cls)][0]
     for kind in TORCH_LAYERS:
-        if isinstance(layer, kind) and cls.forward is kind.forward:  # a plain subclass
+        if issubclass(cls, kind) and cls.forward is kind.forward:  # a plain subclass
             return kind
     return None
 
@@ -82,14 +110,16 @@ def check_supported(module):
     """Raise if a parameter lives outside the layers swap_layers converts,
     naming every such module type with a count and an example path. A
     parameter held by a converted layer may also be registered elsewhere
-    (BERT's cls.predictions.bias is its decoder's bias).
+    (BERT's cls.predictions.bias is its decoder's bias), but not in a subclass
+    of a torch layer with a forward of its own, which would read it.
 
     Runs locally, before any collective, so every rank raises the same error."""
     converted = {p for layer in module.modules() if layer_kind(layer) is not None
                  for p in layer.parameters(recurse=False)}
     found = {}  # class -> paths of its modules that hold other parameters
     for path, layer in module.named_modules():
-        if any(p not in converted for p in layer.parameters(recurse=False)):
+        params = list(layer.parameters(recurse=False))
+        if any(p not in converted for p in params) or (params and own_forward(type(layer))):
             found.setdefault(type(layer), []).append(path or "<root module>")
     if found:
         raise TypeError(unsupported_message(found))
@@ -115,9 +145,11 @@ def count(n, thing):
 
 
 def own_forward(cls):
-    """Why a subclass of a supported torch layer is not converted."""
+    """Why a subclass of a supported torch layer is not converted (its
+    parameters, even tied to a converted layer's, would be read by its own
+    forward), or "" for any other class."""
     for kind in TORCH_LAYERS:
-        if issubclass(cls, kind):
+        if issubclass(cls, kind) and class_kind(cls) is None:
             return f" (a subclass of nn.{kind.__name__} with a forward of its own, which tiny_zero's would replace)"
     return ""
 
@@ -135,8 +167,11 @@ def layer_classes(*mixins):
 @functools.cache
 def adapted_class(ours, original):
     """The class of a layer of class `original` converted to `ours`: both,
-    ours first (its forward runs). Made once per pair."""
-    return type(f"{ours.__name__}_{original.__name__}", (ours, original),
+    ours first (its forward runs), or, for a class in FORWARD_AROUND, the
+    original first (its forward runs, and its super().forward() is ours).
+    Made once per pair."""
+    bases = (original, ours) if qualified_name(original) in FORWARD_AROUND else (ours, original)
+    return type(f"{ours.__name__}_{original.__name__}", bases,
                 {"__module__": ours.__module__, "adapted_class": original})
 
 
