@@ -32,12 +32,14 @@ class Net(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def config(stage=0, **extra):
-    """A DeepSpeed config both libraries read: torch.optim's AdamW inside DeepSpeed."""
+def config(stage=0, eps=1e-8, **extra):
+    """A DeepSpeed config both libraries read: torch.optim's AdamW inside DeepSpeed. eps=1 makes
+    the update about lr * grad, so a grad off by a factor (a loss not divided by the
+    accumulation steps) shows; Adam's usual eps hides it."""
     zero = {"stage": stage, **extra.pop("zero", {})}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "steps_per_print": 10**9, "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": eps,
                                                       "weight_decay": 0.1, "torch_adam": True}},
             **extra}
 
@@ -50,7 +52,7 @@ OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 CONFIGS = {  # name: the config; each compared loss by loss
     "stage0": config(0),
     "stage0_clip": config(0, gradient_clipping=0.1),
-    "stage1_accumulate": config(1, gradient_accumulation_steps=2, scheduler=WARMUP),
+    "stage1_accumulate": config(1, eps=1.0, gradient_accumulation_steps=2, scheduler=WARMUP),
     "stage2_clip_decay": config(2, gradient_clipping=0.1, scheduler=DECAY),
     "stage3_accumulate_clip": config(3, gradient_accumulation_steps=2, gradient_clipping=0.1, scheduler=DECAY),
     "offload_clip": config(2, zero=OFFLOAD, gradient_clipping=0.1, zero_force_ds_cpu_optimizer=False),

@@ -93,6 +93,18 @@ class Engine(nn.Module):
     def module(self):
         return self.wrapper.module
 
+    @property
+    def device(self):
+        return self.wrapper.device
+
+    @property
+    def global_rank(self):
+        return self.wrapper.rank
+
+    @property
+    def world_size(self):
+        return self.wrapper.world_size
+
     def forward(self, *inputs, **kwargs):
         return self.wrapper(*inputs, **kwargs)
 
