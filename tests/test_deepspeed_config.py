@@ -173,3 +173,23 @@ def test_explain_prints_the_estimators_numbers(tmp_path):
     for kind, count in estimate.comm_per_step(module, "fsdp", 8, "bf16").items():
         assert f"{count * 2:,}" in out, (kind, out)
     assert "zero_optimization.overlap_comm" in out
+
+
+def test_fp16_loss_scale_zero_is_dynamic_and_a_number_is_static():
+    from tiny_zero.engine import StaticLossScaler, loss_scaler
+    from tiny_zero.precision import LossScaler
+    dynamic = loss_scaler(read_config(checks.config(0, fp16={"enabled": True, "loss_scale": 0}), 1))
+    static = loss_scaler(read_config(checks.config(0, fp16={"enabled": True, "loss_scale": 128}), 1))
+    assert type(dynamic) is LossScaler and dynamic.scale == 2.0**16
+    assert isinstance(static, StaticLossScaler)
+    for overflow in (True, True, True, False):
+        static.update(overflow)
+    assert static.scale == 128.0
+
+
+def test_training_data_becomes_micro_batches_of_this_ranks_share():
+    from tiny_zero.engine import data_loader
+    settings = read_config(checks.config(0, dataloader_drop_last=True), 2)
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+    batches = [b[0].tolist() for b in data_loader(dataset, settings, rank=1, world_size=2)]
+    assert [len(b) for b in batches] == [checks.MICRO] * 2  # 5 of the 10: the last, short, batch dropped

@@ -8,7 +8,7 @@
         engine.backward(loss)       # the loss / gradient_accumulation_steps; no_sync() inside a step
         engine.step()               # at the accumulation boundary: clip, AdamW step, zero_grad, lr schedule
 
-The engine holds the strategy's wrapper (tiny_zero.STRATEGIES[config.strategy])
+The engine holds the strategy's wrapper (RUNS[config.strategy], as tiny_zero.STRATEGIES)
 and its AdamW, and adds nothing to the numbers: what each key of the config
 sets is in tiny_zero/config.py, and docs/deepspeed.md says which lines of which
 folder do it.
@@ -24,12 +24,20 @@ import torch.nn as nn
 
 from . import checkpoint, comm
 from .config import load_json, read_config
+from .ddp import DDP, DDPAdamW
 from .distributed import init_distributed
+from .fsdp import FSDP, FSDPAdamW
 from .lr_schedules import SCHEDULES
+from .offload import ZeroOffload, ZeroOffloadAdamW
 from .precision import LossScaler
+from .zero1 import Zero1, Zero1AdamW
+from .zero2 import Zero2, Zero2AdamW
 
 log = logging.getLogger("tiny_zero")
 LATEST = "latest"  # save_dir/latest names the last tag saved, as DeepSpeed's
+# config.strategy -> (wrapper, optimizer): the strategies a DeepSpeed config can name (tiny_zero/config.py)
+RUNS = {"ddp": (DDP, DDPAdamW), "zero1": (Zero1, Zero1AdamW), "zero2": (Zero2, Zero2AdamW),
+        "fsdp": (FSDP, FSDPAdamW), "offload": (ZeroOffload, ZeroOffloadAdamW)}
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -79,8 +87,7 @@ class Engine(nn.Module):
 
     def __init__(self, module, settings, model_parameters=None, lr_scheduler=None):
         super().__init__()
-        from . import STRATEGIES  # the package imports this file
-        wrapper_class, optimizer_class = STRATEGIES[settings.strategy]
+        wrapper_class, optimizer_class = RUNS[settings.strategy]
         self.settings = settings
         params = list(model_parameters) if model_parameters is not None else None
         self.wrapper = wrapper_class(module, loss_scaler=loss_scaler(settings), **settings.wrapper_options())
