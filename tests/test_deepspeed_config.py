@@ -6,7 +6,6 @@ resume check and the bad configs. Without deepspeed the comparisons skip.
 """
 import importlib.util
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -157,14 +156,15 @@ def test_schedules_give_deepspeeds_learning_rates(kind, monkeypatch):
     assert all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15) for a, b in zip(ours, theirs)), (ours, theirs)
 
 
-def test_explain_prints_the_estimators_numbers(tmp_path):
+def test_explain_prints_the_estimators_numbers(tmp_path, capsys):
     from example.model import build_model
+    from tiny_zero import explain
     from tiny_zero.measure import estimate
     path = tmp_path / "ds_config.json"
     path.write_text('{"train_batch_size": 16, "zero_optimization": {"stage": 3, "overlap_comm": true}, '
                     '"bf16": {"enabled": true}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}')
-    out = subprocess.run([sys.executable, "-m", "tiny_zero.explain", str(path), "--model", "tiny", "--world", "8"],
-                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    explain.main([str(path), "--model", "tiny", "--world", "8"])  # python -m tiny_zero.explain ...
+    out = capsys.readouterr().out
     module = build_model("tiny", device="meta")
     held = estimate.model_state(module, "fsdp", 8, "bf16")[0]
     assert "tiny_zero.fsdp" in out and "tiny_zero/fsdp/" in out

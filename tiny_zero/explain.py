@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from .comm import make_buckets
 from .config import read_config
 from .measure import estimate
 
@@ -34,8 +35,7 @@ def collective_counts(module, strategy, world_size, mixed_precision, bucket_byte
         gathers = estimate.gathered(estimate.layers(module), {u: u.params for u in units}, lambda unit: 1)
         return {"all_gather": 2 * gathers, "reduce_scatter": sum(1 for u in units if u.params[0].requires_grad)}
     params = [p for _, p in module.named_parameters()]
-    buckets = len(estimate.make_buckets(estimate.as_dtype(params[::-1], mixed_precision), bucket_bytes,
-                                        pad_to=world_size))
+    buckets = len(make_buckets(estimate.as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=world_size))
     if strategy == "ddp":
         return {"all_reduce": buckets}
     return {"reduce_scatter": buckets, "all_gather": buckets}
