@@ -6,6 +6,7 @@ from .zero2 import Zero2, Zero2AdamW
 from .zero3 import Zero3, Zero3AdamW
 from .fsdp import FSDP, FSDPAdamW
 from .offload import ZeroOffload, ZeroOffloadAdamW
+from .engine import initialize  # DeepSpeed's, over the wrappers above (engine.py)
 
 __version__ = "0.1.0"
 

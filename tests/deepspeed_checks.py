@@ -1,0 +1,140 @@
+"""Worker functions for tests/test_deepspeed_config.py (run on every rank).
+
+The same training loop, DeepSpeed's, runs through deepspeed.initialize and
+through tiny_zero.initialize with the same config; every micro-step's loss is
+recorded.
+"""
+import copy
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tiny_zero
+
+VOCAB, WIDTH, HIDDEN, SEQ, MICRO, STEPS = 16, 12, 20, 5, 2, 5
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.ln = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x, y):
+        logits = self.fc2(torch.tanh(self.fc1(self.ln(self.emb(x)))))
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def config(stage=0, eps=1e-8, **extra):
+    """A DeepSpeed config both libraries read: torch.optim's AdamW inside DeepSpeed. eps=1 makes
+    the update about lr * grad, so a grad off by a factor (a loss not divided by the
+    accumulation steps) shows; Adam's usual eps hides it."""
+    zero = {"stage": stage, **extra.pop("zero", {})}
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "steps_per_print": 10**9, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": eps,
+                                                      "weight_decay": 0.1, "torch_adam": True}},
+            **extra}
+
+
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 2e-2, "warmup_num_steps": 3,
+                                         "warmup_type": "linear"}}
+DECAY = {"type": "WarmupDecayLR", "params": {"total_num_steps": STEPS, "warmup_min_lr": 1e-3,
+                                             "warmup_max_lr": 2e-2, "warmup_num_steps": 2}}
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+CONFIGS = {  # name: the config; each compared loss by loss
+    "stage0": config(0),
+    "stage0_clip": config(0, gradient_clipping=0.1),
+    "stage1_accumulate": config(1, eps=1.0, gradient_accumulation_steps=2, scheduler=WARMUP),
+    "stage2_clip_decay": config(2, gradient_clipping=0.1, scheduler=DECAY),
+    "stage3_accumulate_clip": config(3, gradient_accumulation_steps=2, gradient_clipping=0.1, scheduler=DECAY),
+    "offload_clip": config(2, zero=OFFLOAD, gradient_clipping=0.1, zero_force_ds_cpu_optimizer=False),
+    "bf16": config(2, bf16={"enabled": True}, gradient_clipping=0.1),
+}
+
+
+def batch(step):
+    """This rank's micro-batch number `step`, the same in every run."""
+    g = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
+    return torch.randint(0, VOCAB, (MICRO, SEQ), generator=g), torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+
+
+def train(engine, micro_steps, first=0):
+    """DeepSpeed's loop; the loss of every micro-step."""
+    losses = []
+    for i in range(first, first + micro_steps):
+        loss = engine(*batch(i))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def import_deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
+    import deepspeed
+    import deepspeed.ops
+    deepspeed.utils.logger.setLevel("WARNING")
+    # its shared-memory all-reduce compiles for a minute and serves inference only
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def run(library, cfg):
+    """(losses, seconds of initialize) for `cfg` through `library`.initialize."""
+    model = Net()
+    start = time.perf_counter()
+    engine, _, _, _ = library.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
+    seconds = time.perf_counter() - start
+    losses = train(engine, STEPS * engine.gradient_accumulation_steps())
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    return losses, seconds
+
+
+def compare(names):
+    """{name: {"deepspeed": (losses, s), "tiny_zero": (losses, s)}} for CONFIGS[name]."""
+    deepspeed = import_deepspeed()
+    return {name: {"deepspeed": run(deepspeed, CONFIGS[name]), "tiny_zero": run(tiny_zero, CONFIGS[name])}
+            for name in names}
+
+
+RESUMED = config(2, gradient_accumulation_steps=2, gradient_clipping=0.1, scheduler=DECAY)
+
+
+def resume(directory):
+    """Losses of an uninterrupted run, and of one saved after 2 steps and resumed by a new engine;
+    the client_state and counters that come back."""
+    cfg = copy.deepcopy(RESUMED)
+    whole, _ = run(tiny_zero, cfg)
+    model = Net()
+    engine, _, _, _ = tiny_zero.initialize(model=model, config=cfg)
+    first = train(engine, 4)
+    engine.save_checkpoint(directory, client_state={"epoch": 3})
+    model = Net()
+    engine, _, _, sched = tiny_zero.initialize(model=model, config=cfg)
+    path, client_state = engine.load_checkpoint(directory)
+    counters = (engine.global_steps, engine.micro_steps, sched.last_batch_iteration, engine.get_lr())
+    rest = train(engine, 2 * STEPS - 4, first=4)
+    return {"whole": whole, "resumed": first + rest, "client_state": client_state, "path": path,
+            "counters": counters}
+
+
+def bad_configs(configs):
+    """{name: the error tiny_zero.initialize raised for configs[name]}."""
+    errors = {}
+    for name, cfg in configs.items():
+        model = Net()
+        try:
+            tiny_zero.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 (the test reads the message)
+            errors[name] = f"{type(e).__name__}: {e}"
+    return errors

@@ -1,0 +1,195 @@
+"""tiny_zero.initialize with DeepSpeed's config: the same losses as DeepSpeed, resume, and clear errors.
+
+One spawned world of 2 runs every config through deepspeed.initialize (on
+the CPU, torch.optim's AdamW inside) and through tiny_zero.initialize, the
+resume check and the bad configs. Without deepspeed the comparisons skip.
+"""
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(ROOT))
+from harness import run_checks  # noqa: E402
+
+import deepspeed_checks as checks  # noqa: E402
+from tiny_zero.config import read_config  # noqa: E402
+from tiny_zero.lr_schedules import SCHEDULES  # noqa: E402
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+NO_DEEPSPEED = "deepspeed is not installed (pip install deepspeed): the comparison with it cannot run"
+FP32_ATOL, BF16_ATOL = 4e-6, 2e-2
+
+BAD = {  # name: (config, what the error must say)
+    "batch": (checks.config(0, train_batch_size=10, gradient_accumulation_steps=2),
+              "train_batch_size (10) must equal train_micro_batch_size_per_gpu (2) * gradient_accumulation_steps (2)"),
+    "misspelt": (checks.config(0, gradient_cliping=1.0), "did you mean 'gradient_clipping'"),
+    "misspelt_nested": (checks.config(0, zero={"overlap_com": True}), "did you mean 'zero_optimization.overlap_comm'"),
+    "offload_param": (checks.config(3, zero={"offload_param": {"device": "cpu"}}), "zero_optimization.offload_param"),
+    "optimizer": (dict(checks.config(0), optimizer={"type": "Lamb", "params": {}}), "optimizer.type 'Lamb'"),
+}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    plan = [("resume", "resume", (str(tmp_path_factory.mktemp("ds_checkpoint")),)),
+            ("bad", "bad_configs", ({name: cfg for name, (cfg, _) in BAD.items()},))]
+    if HAS_DEEPSPEED:
+        plan.append(("compare", "compare", (list(checks.CONFIGS),)))
+    return run_checks(2, "deepspeed_checks", plan, timeout=600)
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+@pytest.mark.parametrize("name", list(checks.CONFIGS))
+def test_every_micro_step_loss_matches_deepspeed(world, name):
+    atol = BF16_ATOL if "bf16" in checks.CONFIGS[name] else FP32_ATOL
+    for rank, runs in enumerate(world["compare"]):
+        ours, theirs = runs[name]["tiny_zero"][0], runs[name]["deepspeed"][0]
+        assert len(ours) == len(theirs) == checks.STEPS * checks.CONFIGS[name]["gradient_accumulation_steps"]
+        assert ours == pytest.approx(theirs, abs=atol), (rank, ours, theirs)
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+def test_clipping_moves_the_losses_more_than_the_tolerance(world):
+    """Else a missing clip would pass the comparison."""
+    runs = world["compare"][0]
+    plain, clipped = runs["stage0"]["tiny_zero"][0], runs["stage0_clip"]["tiny_zero"][0]
+    assert max(abs(a - b) for a, b in zip(plain, clipped)) > 10 * FP32_ATOL
+
+
+def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world):
+    for result in world["resume"]:
+        assert result["resumed"] == result["whole"]
+        assert result["client_state"] == {"epoch": 3}
+        assert result["path"].endswith("global_step2")
+        global_steps, micro_steps, schedule_step, lr = result["counters"]
+        assert (global_steps, micro_steps, schedule_step) == (2, 4, 1)
+        assert lr == [pytest.approx(2e-2)]  # WarmupDecayLR after 2 steps of warmup
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_config_raises_one_clear_error_on_every_rank(world, name):
+    errors = [rank[name] for rank in world["bad"]]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert BAD[name][1] in errors[0], errors[0]
+
+
+# ---------------------------------------------------------------- the config alone, no processes
+
+
+@pytest.mark.parametrize("keys, expected", [
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, (16, 2, 2)),
+    ({"train_batch_size": 16, "gradient_accumulation_steps": 4}, (16, 1, 4)),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, (24, 2, 3)),
+    ({"train_batch_size": 8}, (8, 2, 1)),
+    ({"train_micro_batch_size_per_gpu": 3}, (12, 3, 1)),
+])
+def test_any_two_batch_keys_imply_the_third(keys, expected):
+    cfg = {**checks.config(0), **keys}
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if key not in keys:
+            del cfg[key]
+    c = read_config(cfg, world_size=4)
+    assert (c.train_batch_size, c.micro_batch, c.accumulation) == expected
+
+
+def test_keys_map_to_the_strategy_and_its_settings():
+    c = read_config(checks.config(2, zero={"reduce_bucket_size": 1000}, bf16={"enabled": True}), world_size=2)
+    assert (c.strategy, c.mixed_precision) == ("zero2", "bf16")
+    assert c.wrapper_options() == {"mixed_precision": "bf16", "reduce_dtype": None, "bucket_bytes": 2000}
+    assert c.optimizer == {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+    assert [read_config(checks.config(s), 2).strategy for s in range(4)] == ["ddp", "zero1", "zero2", "fsdp"]
+    assert read_config(checks.config(1, zero=checks.OFFLOAD), 2).strategy == "offload"
+    fp16 = read_config(checks.config(0, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 3}), 2)
+    assert fp16.loss_scale == {"init_scale": 256.0, "window": 1000, "hysteresis": 3, "min_scale": 1}
+
+
+def test_performance_keys_are_listed_with_why_they_change_nothing():
+    c = read_config(checks.config(3, zero={"overlap_comm": True, "stage3_max_live_parameters": 10}), 2)
+    noted = dict(c.no_effect)
+    assert set(noted) == {"steps_per_print", "zero_optimization.overlap_comm",
+                          "zero_optimization.stage3_max_live_parameters"}
+    assert "overlaps" in noted["zero_optimization.overlap_comm"]
+
+
+def test_adam_weight_decay_follows_deepspeed():
+    def optimizer(**params):
+        cfg = checks.config(0)
+        cfg["optimizer"] = {"type": params.pop("type", "Adam"), "params": params}
+        return read_config(cfg, 1).optimizer["weight_decay"]
+    assert optimizer(torch_adam=True) == 0.01  # torch.optim.AdamW's default: DeepSpeed's Adam is AdamW
+    assert optimizer(torch_adam=True, adam_w_mode=False) == 0.0  # torch.optim.Adam's
+    assert optimizer() == 0.0  # DeepSpeed's FusedAdam and CPU Adam
+    assert optimizer(adam_w_mode=False, weight_decay=0.0) == 0.0
+    with pytest.raises(ValueError, match="Adam with L2"):
+        optimizer(adam_w_mode=False, weight_decay=0.1)
+
+
+SCHEDULE_PARAMS = {
+    "WarmupLR": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2, "warmup_num_steps": 5},
+    "WarmupDecayLR": {"total_num_steps": 12, "warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2, "warmup_num_steps": 4,
+                      "warmup_type": "linear"},
+    "WarmupCosineLR": {"total_num_steps": 12, "warmup_min_ratio": 0.1, "warmup_num_steps": 3,
+                       "cos_min_ratio": 0.05},
+}
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+@pytest.mark.parametrize("kind", list(SCHEDULE_PARAMS))
+def test_schedules_give_deepspeeds_learning_rates(kind, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime import lr_schedules
+
+    def lrs(schedule_class):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+        schedule, seen = schedule_class(opt, **SCHEDULE_PARAMS[kind]), []
+        for _ in range(15):
+            seen.append(opt.param_groups[0]["lr"])
+            schedule.step()
+        return seen
+    ours, theirs = lrs(SCHEDULES[kind]), lrs(getattr(lr_schedules, kind))
+    assert all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15) for a, b in zip(ours, theirs)), (ours, theirs)
+
+
+def test_explain_prints_the_estimators_numbers(tmp_path, capsys):
+    from example.model import build_model
+    from tiny_zero import explain
+    from tiny_zero.measure import estimate
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"train_batch_size": 16, "zero_optimization": {"stage": 3, "overlap_comm": true}, '
+                    '"bf16": {"enabled": true}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}')
+    explain.main([str(path), "--model", "tiny", "--world", "8"])  # python -m tiny_zero.explain ...
+    out = capsys.readouterr().out
+    module = build_model("tiny", device="meta")
+    held = estimate.model_state(module, "fsdp", 8, "bf16")[0]
+    assert "tiny_zero.fsdp" in out and "tiny_zero/fsdp/" in out
+    for category in estimate.CATEGORIES:
+        assert f"{held[category]:,}" in out, (category, out)
+    for kind, count in estimate.comm_per_step(module, "fsdp", 8, "bf16").items():
+        assert f"{count * 2:,}" in out, (kind, out)
+    assert "zero_optimization.overlap_comm" in out
+
+
+def test_fp16_loss_scale_zero_is_dynamic_and_a_number_is_static():
+    from tiny_zero.engine import StaticLossScaler, loss_scaler
+    from tiny_zero.precision import LossScaler
+    dynamic = loss_scaler(read_config(checks.config(0, fp16={"enabled": True, "loss_scale": 0}), 1))
+    static = loss_scaler(read_config(checks.config(0, fp16={"enabled": True, "loss_scale": 128}), 1))
+    assert type(dynamic) is LossScaler and dynamic.scale == 2.0**16
+    assert isinstance(static, StaticLossScaler)
+    for overflow in (True, True, True, False):
+        static.update(overflow)
+    assert static.scale == 128.0
+
+
+def test_training_data_becomes_micro_batches_of_this_ranks_share():
+    from tiny_zero.engine import data_loader
+    settings = read_config(checks.config(0, dataloader_drop_last=True), 2)
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+    batches = [b[0].tolist() for b in data_loader(dataset, settings, rank=1, world_size=2)]
+    assert [len(b) for b in batches] == [checks.MICRO] * 2  # 5 of the 10: the last, short, batch dropped

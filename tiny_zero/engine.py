@@ -1,0 +1,206 @@
+"""DeepSpeed's engine over tiny_zero's wrappers: a DeepSpeed script runs unchanged.
+
+    import tiny_zero as deepspeed
+    engine, optimizer, loader, scheduler = deepspeed.initialize(model=module, model_parameters=module.parameters(),
+                                                                config="ds_config.json")
+    for x, y in batches:
+        loss = engine(x, y)         # the module's forward
+        engine.backward(loss)       # the loss / gradient_accumulation_steps; no_sync() inside a step
+        engine.step()               # at the accumulation boundary: clip, AdamW step, zero_grad, lr schedule
+
+The engine holds the strategy's wrapper (RUNS[config.strategy], as tiny_zero.STRATEGIES)
+and its AdamW, and adds nothing to the numbers: what each key of the config
+sets is in tiny_zero/config.py, and docs/deepspeed.md says which lines of which
+folder do it.
+"""
+import json
+import logging
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import checkpoint, comm
+from .config import load_json, read_config
+from .ddp import DDP, DDPAdamW
+from .distributed import init_distributed
+from .fsdp import FSDP, FSDPAdamW
+from .lr_schedules import SCHEDULES
+from .offload import ZeroOffload, ZeroOffloadAdamW
+from .precision import LossScaler
+from .zero1 import Zero1, Zero1AdamW
+from .zero2 import Zero2, Zero2AdamW
+
+log = logging.getLogger("tiny_zero")
+LATEST = "latest"  # save_dir/latest names the last tag saved, as DeepSpeed's
+# config.strategy -> (wrapper, optimizer): the strategies a DeepSpeed config can name (tiny_zero/config.py)
+RUNS = {"ddp": (DDP, DDPAdamW), "zero1": (Zero1, Zero1AdamW), "zero2": (Zero2, Zero2AdamW),
+        "fsdp": (FSDP, FSDPAdamW), "offload": (ZeroOffload, ZeroOffloadAdamW)}
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, config=None, **unsupported):
+    """DeepSpeed's initialize: returns (engine, optimizer, dataloader, lr_scheduler).
+    `config`: DeepSpeed's JSON config, a dict or a path (or args.deepspeed_config)."""
+    if unsupported:
+        raise TypeError(f"tiny_zero.initialize: {', '.join(unsupported)} not supported (DeepSpeed's mpu, "
+                        "collate_fn, dist_init_required, ... tune what tiny_zero does one way)")
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None or model is None:
+        raise ValueError("tiny_zero.initialize needs model= and config= (a dict or a JSON file), "
+                         "or args.deepspeed_config")
+    if optimizer is not None:
+        raise ValueError("tiny_zero.initialize builds the optimizer from the config's \"optimizer\" (Adam or "
+                         "AdamW); pass optimizer=None and put its settings there")
+    rank, world_size = init_distributed()
+    raw = load_json(config)
+    comm.open_side_channel()  # a rank given another config would wait forever at the first collective: check first
+    comm.agree("the DeepSpeed config", config=comm.value_hash(json.dumps(raw, sort_keys=True, default=str)))
+    settings = read_config(raw, world_size)
+    if rank == 0:
+        for key, why in settings.no_effect:
+            print(f"tiny_zero: {key} has no effect here: {why}")
+    engine = Engine(model, settings, model_parameters, lr_scheduler)
+    loader = data_loader(training_data, settings, rank, world_size) if training_data is not None else None
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def data_loader(dataset, settings, rank, world_size):
+    """DeepSpeed's: each rank its share of the dataset (shuffled, as DistributedSampler), micro-batches."""
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank)
+    return torch.utils.data.DataLoader(dataset, batch_size=settings.micro_batch, sampler=sampler,
+                                       drop_last=settings.drop_last)
+
+
+class StaticLossScaler(LossScaler):
+    """fp16 with a fixed loss_scale: an overflow still skips the step, as DeepSpeed's; the scale never moves."""
+
+    def update(self, overflow):
+        self.iteration += 1
+
+
+class Engine(nn.Module):
+    """DeepSpeed's engine: forward, backward, step, checkpoints; around a tiny_zero wrapper."""
+
+    def __init__(self, module, settings, model_parameters=None, lr_scheduler=None):
+        super().__init__()
+        wrapper_class, optimizer_class = RUNS[settings.strategy]
+        self.settings = settings
+        params = list(model_parameters) if model_parameters is not None else None
+        self.wrapper = wrapper_class(module, loss_scaler=loss_scaler(settings), **settings.wrapper_options())
+        self.optimizer = optimizer_class(self.wrapper, params, **settings.optimizer)
+        self.lr_scheduler = make_scheduler(settings, self.optimizer, lr_scheduler)
+        self.global_steps = 0  # optimizer steps, skipped ones too (as DeepSpeed counts them)
+        self.micro_steps = 0
+
+    @property
+    def module(self):
+        return self.wrapper.module
+
+    @property
+    def device(self):
+        return self.wrapper.device
+
+    @property
+    def global_rank(self):
+        return self.wrapper.rank
+
+    @property
+    def world_size(self):
+        return self.wrapper.world_size
+
+    def forward(self, *inputs, **kwargs):
+        return self.wrapper(*inputs, **kwargs)
+
+    def train_batch_size(self):
+        return self.settings.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self):
+        return self.settings.micro_batch
+
+    def gradient_accumulation_steps(self):
+        return self.settings.accumulation
+
+    def is_gradient_accumulation_boundary(self):
+        return (self.micro_steps + 1) % self.settings.accumulation == 0
+
+    def get_lr(self):
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        """loss / gradient_accumulation_steps, backward; the grads are averaged over
+        the ranks only at the boundary (the micro-steps before it run in no_sync)."""
+        if scale_wrt_gas and self.settings.accumulation > 1:
+            loss = loss / self.settings.accumulation
+        quiet = nullcontext() if self.is_gradient_accumulation_boundary() else self.wrapper.no_sync()
+        with quiet:
+            loss.backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self):
+        """At the boundary: clip, step, zero the grads, and step the lr schedule
+        unless fp16 skipped the step. Every micro-step counts."""
+        if self.is_gradient_accumulation_boundary():
+            skipped = self.optimizer.skipped_steps
+            if self.settings.clip > 0:
+                self.wrapper.clip_grad_norm_(self.settings.clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            if self.lr_scheduler is not None and self.optimizer.skipped_steps == skipped:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        """tiny_zero's sharded checkpoint in save_dir/tag (every rank writes its part),
+        with the engine's counters, the lr schedule and client_state."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        extra = {"client_state": client_state or {}, "micro_steps": self.micro_steps,
+                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
+        checkpoint.save(Path(save_dir) / tag, self.wrapper, self.optimizer, step=self.global_steps, extra=extra)
+        if save_latest and self.wrapper.rank == 0:
+            (Path(save_dir) / LATEST).write_text(tag)
+        dist.barrier()  # every rank may read `latest` once this returns
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, **_ignored):
+        """Resume from save_checkpoint's directory: returns (path, client_state),
+        or (None, None) when load_dir has no `latest` and no tag is given."""
+        if tag is None:
+            latest = Path(load_dir) / LATEST
+            if not latest.is_file():
+                log.warning("no %s file in %s: nothing loaded", LATEST, load_dir)
+                return None, None
+            tag = latest.read_text().strip()
+        path = Path(load_dir) / str(tag)
+        info = checkpoint.load(path, self.wrapper, self.optimizer)
+        extra = info["extra"]
+        self.global_steps, self.micro_steps = info["step"], extra["micro_steps"]
+        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        return str(path), extra["client_state"]
+
+
+def loss_scaler(settings):
+    scale = settings.loss_scale
+    if scale is None:
+        return None
+    if "static" in scale:
+        return StaticLossScaler(init_scale=scale["static"])
+    return LossScaler(**scale)
+
+
+def make_scheduler(settings, optimizer, lr_scheduler):
+    """The config's schedule; else the lr_scheduler argument: a callable of the optimizer, as DeepSpeed takes."""
+    if settings.scheduler is not None:
+        kind, params = settings.scheduler
+        return SCHEDULES[kind](optimizer, **params)
+    if lr_scheduler is None:
+        return None
+    if not callable(lr_scheduler) or hasattr(lr_scheduler, "step"):
+        raise ValueError("tiny_zero.initialize: lr_scheduler must be a callable that takes the optimizer "
+                         "(a scheduler built before would hold an optimizer the engine does not step)")
+    return lr_scheduler(optimizer)

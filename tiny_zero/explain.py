@@ -1,0 +1,122 @@
+"""What a DeepSpeed config does in tiny_zero: the strategy, the bytes, the collectives, the keys.
+
+    python -m tiny_zero.explain ds_config.json --model gpt2 --world 8
+    python -m tiny_zero.explain ds_config.json --model hf:path/to/model --world 64
+
+The bytes and the elements sent come from tiny_zero.measure.estimate (its
+model_state, placement and comm_per_step, which tests/test_estimate.py checks
+against what the wrappers allocate and send); the number of each collective
+is the number of buckets or units that the same partitioning makes.
+"""
+import argparse
+import sys
+
+import torch
+
+from .comm import make_buckets
+from .config import read_config
+from .measure import estimate
+
+GRAD_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce")  # in the reduce dtype; the others in the parameters'
+
+
+def build_module(name):
+    """An example model (example/model.py) or hf:DIR (a Hugging Face config), on the meta device."""
+    if name.startswith("hf:"):
+        from example import hf
+        return hf.build(name[3:])
+    return estimate.build_meta(name)
+
+
+def collective_counts(module, strategy, world_size, mixed_precision, bucket_bytes):
+    """{collective kind: how many are sent in one step}: one per bucket or unit, as the wrappers send them."""
+    if strategy == "fsdp":
+        units = estimate.fsdp_units(module, world_size)
+        gathers = estimate.gathered(estimate.layers(module), {u: u.params for u in units}, lambda unit: 1)
+        return {"all_gather": 2 * gathers, "reduce_scatter": sum(1 for u in units if u.params[0].requires_grad)}
+    params = [p for _, p in module.named_parameters()]
+    buckets = len(make_buckets(estimate.as_dtype(params[::-1], mixed_precision), bucket_bytes, pad_to=world_size))
+    if strategy == "ddp":
+        return {"all_reduce": buckets}
+    return {"reduce_scatter": buckets, "all_gather": buckets}
+
+
+def size(n):
+    return f"{n:,} B ({estimate.fmt_bytes(n)})"
+
+
+def held_lines(module, c):
+    """What each rank holds after a step, by the estimator."""
+    bucket_bytes = c.bucket_bytes() if c.bucket_elements is not None else estimate.DEFAULT_BUCKET_BYTES
+    ranks = estimate.model_state(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
+    held = ranks[0]
+    _, k = estimate.element_bytes(c.mixed_precision, c.strategy)
+    steps = sum(1 for _ in module.parameters()) * estimate.STEP_BYTES
+    elements = (held["optimizer_state"] - steps) // k
+    masters = 4 * elements if k == 12 else 0
+    lines = ["what each rank holds after a step (tiny_zero.measure.estimate.model_state):",
+             f"  parameters        {size(held['parameters'])}",
+             f"  gradients         {size(held['gradients'])}",
+             f"  optimizer state   {size(held['optimizer_state'])}: moments {size(8 * elements)}, "
+             f"fp32 masters {size(masters)}, step counts {size(steps)}",
+             f"  total             {size(sum(held.values()))}"]
+    if c.strategy == "offload":
+        where = estimate.placement(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)[0]
+        lines.append(f"  on the device {size(where['device'])}; in host memory {size(where['host'])}")
+    return lines, bucket_bytes
+
+
+def sent_lines(module, c, bucket_bytes):
+    """What one step sends, by the estimator; how many of each."""
+    elements = estimate.comm_per_step(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
+    counts = collective_counts(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
+    p, _ = estimate.element_bytes(c.mixed_precision)
+    reduce_bytes = torch.finfo(c.reduce_dtype).bits // 8 if c.reduce_dtype is not None else p
+    lines = ["what one step sends (tiny_zero.measure.estimate.comm_per_step; every layer once forward, once backward):"]
+    for kind, count in elements.items():
+        width = reduce_bytes if kind in GRAD_COLLECTIVES else p
+        lines.append(f"  {kind:<15} x {counts[kind]:<5} {count:>16,} elements {count * width:>16,} B "
+                     f"({estimate.fmt_bytes(count * width)})")
+    numel = sum(q.numel() for q in module.parameters())
+    lines.append(f"  per rank {estimate.transfers_per_rank(elements, c.world_size) / numel:.3f}Ψ element-transfers "
+                 f"(Ψ = {numel:,})")
+    if c.clip > 0 and c.strategy != "ddp":
+        lines.append("  and one scalar all-reduce for gradient_clipping's global norm")
+    if c.mixed_precision == "fp16":
+        lines.append("  and one scalar all-reduce for fp16's overflow check")
+    return lines
+
+
+def explain(config, model, world_size):
+    c = read_config(config, world_size)
+    module = build_module(model)
+    precision = c.mixed_precision or "fp32"
+    lines = [f"{config} on {world_size} ranks, model {model}, {precision}",
+             f"strategy: tiny_zero.{c.strategy}; read tiny_zero/{c.strategy}/ (wrapper.py, layers.py, optim.py)",
+             f"batch: {c.train_batch_size} = {c.micro_batch} per rank x {c.accumulation} micro-steps x {world_size} "
+             "ranks", ""]
+    held, bucket_bytes = held_lines(module, c)
+    lines += held + [""] + sent_lines(module, c, bucket_bytes) + ["", "keys that set something:"]
+    lines += [f"  {key}: {what}" for key, what in c.changed]
+    lines += ["keys with no effect here:"] + [f"  {key}: {why}" for key, why in c.no_effect]
+    if not c.no_effect:
+        lines.append("  (none)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tiny_zero.explain", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", help="DeepSpeed's JSON config")
+    p.add_argument("--model", default="gpt2", help="a config name of example/model.py, or hf:DIR (default: gpt2)")
+    p.add_argument("--world", type=int, default=8, help="ranks (default: 8)")
+    args = p.parse_args(argv)
+    if args.world < 1:
+        p.error("--world must be >= 1")
+    try:
+        print(explain(args.config, args.model, args.world))
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
