@@ -1,7 +1,10 @@
 """Tensor parallelism (Megatron-LM): the Linears a plan names are split across
 the T ranks of a tensor group; the tensor groups are data-parallel replicas.
 
-    TensorParallel(module, {"*.q": "column", "*.o": "row", "*.qkv": ("column", 3)}, tp_size=T)
+    TensorParallel(module, {"*.qkv": ("column", 3), "*.o": "row", "*.up": "column", "*.down": "row"}, tp_size=T)
+
+A plan splits Linears in Megatron's pairs (check_pairs): every rank refuses
+any other at wrap time, before anything is sent.
 
 The world is T x R ranks. Ranks r*T .. r*T + T-1 are replica r's tensor group
 (consecutive ranks, as Megatron keeps a tensor group inside a node): they
@@ -218,8 +221,9 @@ def process_groups(tp_size, replicas):
 
 def planned_linears(module, plan, tp_size, world_size):
     """{layer: (kind, parts)} for the Linears the plan names (fnmatch patterns
-    over module names). Local checks only, so that every rank raises the same
-    error before anything is sent."""
+    over module names), checked to be Megatron's pairs (check_pairs). Local
+    checks only, so that every rank raises the same error before anything is
+    sent."""
     if not isinstance(plan, dict):
         raise TypeError(f"plan must be a dict of module-name patterns to 'column' or 'row', got {type(plan).__name__}")
     if not isinstance(tp_size, int) or tp_size < 1 or world_size % tp_size:
@@ -276,13 +280,15 @@ HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "num_key_value_head
 def check_pairs(module, planned, tp_size):
     """A plan computes the unsplit model's function only in Megatron's pairs
     (docs/tensor.md, "What a plan must be"): in every module that holds a
-    split Linear, every Linear is split, and an attention's heads divide by
-    tp_size. Structural, so every rank decides alike."""
+    split Linear, every Linear is split, column ones before the row one that
+    takes their output; an attention's heads divide by tp_size, and nothing
+    else in it holds parameters. It reads the module tree only, so every
+    rank decides alike."""
     if module in planned:
         raise ValueError("the plan splits the wrapped module itself: a column split would return each rank's "
                          "slice of the output, a row split would take a whole input; split the Linears inside it")
     for where, parent in module.named_modules():
-        linears = [(f"{where}.{name}".lstrip("."), child) for name, child in parent.named_children()
+        linears = [(child_name(where, name), child) for name, child in parent.named_children()
                    if isinstance(child, nn.Linear)]
         kinds = [planned[layer][0] if layer in planned else None for _, layer in linears]
         if any(kinds):
@@ -331,11 +337,15 @@ def check_attention(where, attention, tp_size):
                                  "a rank computes whole heads. Use a tp_size that divides every head count "
                                  f"(of queries and of keys/values), or leave {describe(where)}'s Linears whole")
     for name, child in attention.named_children():
-        if not isinstance(child, nn.Linear) and any(True for _ in child.parameters()):
-            raise ValueError(f"{f'{where}.{name}'.lstrip('.')} ({type(child).__name__}) holds parameters inside "
+        if not isinstance(child, nn.Linear) and next(child.parameters(), None) is not None:
+            raise ValueError(f"{child_name(where, name)} ({type(child).__name__}) holds parameters inside "
                              f"{describe(where)}, whose Linears are split: it would see only this rank's heads, and "
                              f"its grads would differ between the ranks. Leave {describe(where)}'s Linears whole")
 
 
 def describe(where):
     return where or "the wrapped module"
+
+
+def child_name(where, name):
+    return f"{where}.{name}" if where else name
