@@ -542,3 +542,62 @@ def in_place_writes(tp_size):
         failures += [f"fp32: {k} after a write in place differs from the loaded values"
                      for k, v in loaded.full_state_dict().items() if not torch.equal(v, got[k])]
     return failures
+
+
+# ---------------------------------------------------------------- what a plan must be (Hugging Face Llama)
+
+LLAMA_PLAN = {"*.q_proj": "column", "*.k_proj": "column", "*.v_proj": "column", "*.o_proj": "row",
+              "*.gate_proj": "column", "*.up_proj": "column", "*.down_proj": "row"}  # Megatron's
+
+
+def llama_megatron():
+    """transformers' Llama (grouped-query attention, RMSNorm, untied head)
+    with Megatron's plan, on the global batch at tp = the world: torch's
+    losses and parameters after every step."""
+    from hf_checks import EPS, LR, RTOL, WD, build, global_batch, loss_of, reference
+    model = TensorParallel(build("llama"), LLAMA_PLAN)
+    opt = TensorParallelAdamW(model, lr=LR, eps=EPS, weight_decay=WD)
+    failures = []
+    for n, (ref_loss, ref_state) in enumerate(reference("llama", 1)):
+        loss = loss_of(model, *global_batch(n, 1))
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if abs(loss.item() - ref_loss) > RTOL * abs(ref_loss):
+            failures.append(f"llama step {n}: loss {loss.item()} vs torch {ref_loss}")
+        failures += compare(f"llama step {n}", model.full_state_dict(), ref_state)
+    return failures
+
+
+def refused_plans():
+    """Plans that cannot compute the unsplit model's function (or its grads:
+    Qwen3's q_norm and k_norm would see one rank's heads): every rank raises
+    the same error at wrap time, before anything is sent. {case: the error,
+    or None where the plan was taken; "case sent": the collectives sent}."""
+    from example.model import build_model
+    from example.tensor.train import PLAN as GPT_PLAN
+    import transformers
+    from hf_checks import SMALL, build
+    qwen3 = lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL, head_dim=8))  # noqa: E731
+    cases = {
+        "q_and_o_only": (lambda: build("llama"), {"*.q_proj": "column", "*.o_proj": "row"}),
+        "lm_head_column": (lambda: build("llama"), {**LLAMA_PLAN, "lm_head": "column"}),
+        "kv_heads": (lambda: build("llama", num_key_value_heads=1), LLAMA_PLAN),
+        "norm_of_heads": (qwen3, LLAMA_PLAN),
+        "column_alone": (TPNet, {"*.up": "column"}),
+        "row_alone": (TPNet, {"*.down": "row"}),
+        "row_first": (lambda: build_model("tiny"), {**GPT_PLAN, "blocks.*.mlp.c_fc": "row",
+                                                    "blocks.*.mlp.c_proj": "column"}),
+    }
+    errors = {}
+    for case, (make, plan) in cases.items():
+        torch.manual_seed(0)
+        module = make()
+        comm.stats.reset()
+        try:
+            TensorParallel(module, plan)
+            errors[case] = None
+        except ValueError as e:
+            errors[case] = str(e)
+        errors[f"{case} sent"] = sum(comm.stats.calls.values())
+    return errors

@@ -55,6 +55,8 @@ def world2(world3, world4):
         ("gpt_checkpointed", "example_gpt", (GPT_PLAN, True)),
         ("back", "load_back", (str(root), 2)),
         ("bad", "bad_plans", ()),
+        ("refused", "refused_plans", ()),
+        ("llama", "llama_megatron", ()),
     ], timeout=600)
 
 
@@ -167,3 +169,34 @@ def test_bad_plans_raise_before_anything_is_sent(case, message, world2):
     error = world2["bad"][0][case]
     assert error is not None and re.search(message, error), error
 
+
+@pytest.mark.parametrize("case,message", [
+    ("q_and_o_only", r"^model\.layers\.0\.self_attn\.k_proj is whole, but model\.layers\.0\.self_attn splits "
+                     r"q_proj \(column\), o_proj \(row\).* Add 'model\.layers\.0\.self_attn\.k_proj': 'column'"),
+    ("lm_head_column", r"^lm_head split by column, but no row Linear follows in the wrapped module.*"
+                       r"its own slice of it\. Leave lm_head whole"),
+    ("kv_heads", r"^model\.layers\.0\.self_attn has num_key_value_heads=1, which tp_size=2 does not divide.*"
+                 r"Use a tp_size that divides every head count"),
+    ("norm_of_heads", r"^model\.layers\.0\.self_attn\.q_norm \(Qwen3RMSNorm\) holds parameters inside "
+                      r"model\.layers\.0\.self_attn.*its grads would differ between the ranks\. Leave"),
+    ("column_alone", r"^blocks\.0\.down is whole, but blocks\.0 splits up \(column\).* Add 'blocks\.0\.down': 'row'"),
+    ("row_alone", r"^blocks\.0\.up is whole, but blocks\.0 splits down \(row\).* Add 'blocks\.0\.up': 'column'"),
+    ("row_first", r"^blocks\.0\.mlp\.c_fc is split by row, but no column Linear comes before it in blocks\.0\.mlp.*"
+                  r"Split the Linear that feeds blocks\.0\.mlp\.c_fc by 'column'"),
+])
+def test_a_plan_that_cannot_be_right_is_refused(case, message, world2):
+    """q, k and v split unlike, a column without its row or a row without its
+    column, a column output that reaches the loss, heads that tp_size does not
+    divide, a layer with parameters among an attention's heads: every rank
+    raises the same error, naming the module and what to change, at wrap
+    time, before anything is sent."""
+    errors = [rank[case] for rank in world2["refused"]]
+    assert errors[0] is not None and re.search(message, errors[0]), errors[0]
+    assert all(e == errors[0] for e in errors), errors
+    assert [rank[f"{case} sent"] for rank in world2["refused"]] == [0, 0]
+
+
+def test_hugging_face_llama_with_megatrons_plan(world2):
+    """q, k, v and gate, up by column, o and down by row, the head whole:
+    torch's losses and parameters after every step."""
+    no_failures(world2["llama"])

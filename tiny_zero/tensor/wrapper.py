@@ -1,7 +1,10 @@
 """Tensor parallelism (Megatron-LM): the Linears a plan names are split across
 the T ranks of a tensor group; the tensor groups are data-parallel replicas.
 
-    TensorParallel(module, {"*.q": "column", "*.o": "row", "*.qkv": ("column", 3)}, tp_size=T)
+    TensorParallel(module, {"*.qkv": ("column", 3), "*.o": "row", "*.up": "column", "*.down": "row"}, tp_size=T)
+
+A plan splits Linears in Megatron's pairs (check_pairs): every rank refuses
+any other at wrap time, before anything is sent.
 
 The world is T x R ranks. Ranks r*T .. r*T + T-1 are replica r's tensor group
 (consecutive ranks, as Megatron keeps a tensor group inside a node): they
@@ -218,8 +221,9 @@ def process_groups(tp_size, replicas):
 
 def planned_linears(module, plan, tp_size, world_size):
     """{layer: (kind, parts)} for the Linears the plan names (fnmatch patterns
-    over module names). Local checks only, so that every rank raises the same
-    error before anything is sent."""
+    over module names), checked to be Megatron's pairs (check_pairs). Local
+    checks only, so that every rank raises the same error before anything is
+    sent."""
     if not isinstance(plan, dict):
         raise TypeError(f"plan must be a dict of module-name patterns to 'column' or 'row', got {type(plan).__name__}")
     if not isinstance(tp_size, int) or tp_size < 1 or world_size % tp_size:
@@ -241,6 +245,7 @@ def planned_linears(module, plan, tp_size, world_size):
             if planned.setdefault(layer, (kind, parts)) != (kind, parts):
                 raise ValueError(f"{name} is matched by two patterns of the plan with different splits: "
                                  f"{planned[layer]} and {(kind, parts)}")
+    check_pairs(module, planned, tp_size)
     return planned
 
 
@@ -267,3 +272,80 @@ def check_split(name, layer, pattern, kind, parts, tp_size, uses):
     if any(uses[p] > 1 for p in layer.parameters(recurse=False)):
         raise ValueError(f"{name} shares a parameter with another layer (tied weights): a split parameter "
                          "cannot be shared; leave it out of the plan")
+
+
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "num_key_value_heads", "n_kv_head")
+
+
+def check_pairs(module, planned, tp_size):
+    """A plan computes the unsplit model's function only in Megatron's pairs
+    (docs/tensor.md, "What a plan must be"): in every module that holds a
+    split Linear, every Linear is split, column ones before the row one that
+    takes their output; an attention's heads divide by tp_size, and nothing
+    else in it holds parameters. It reads the module tree only, so every
+    rank decides alike."""
+    if module in planned:
+        raise ValueError("the plan splits the wrapped module itself: a column split would return each rank's "
+                         "slice of the output, a row split would take a whole input; split the Linears inside it")
+    for where, parent in module.named_modules():
+        linears = [(child_name(where, name), child) for name, child in parent.named_children()
+                   if isinstance(child, nn.Linear)]
+        kinds = [planned[layer][0] if layer in planned else None for _, layer in linears]
+        if any(kinds):
+            check_attention(where, parent, tp_size)
+            check_order(where, [name for name, _ in linears], kinds)
+
+
+def check_order(where, names, kinds):
+    """The Linears of one module (names, in the order it registers them; kinds:
+    "column", "row" or None for whole) read as Megatron's pairs: one or more
+    column Linears (q, k and v, reading one input), then the row Linear that
+    takes their output slices (o)."""
+    split = ", ".join(f"{name.rpartition('.')[2]} ({kind})" for name, kind in zip(names, kinds) if kind)
+    columns = []  # the column Linears that no row Linear has taken the output of yet
+    for i, (name, kind) in enumerate(zip(names, kinds)):
+        if kind is None:
+            want = "row" if columns and "row" not in kinds[i:] else "column"
+            raise ValueError(f"{name} is whole, but {describe(where)} splits {split}: the Linears of one module "
+                             "are split together, alike where they read one input (q, k and v by column, o by "
+                             f"row). Add {name!r}: {want!r} to the plan, or leave them all whole")
+        if kind == "row" and not columns:
+            raise ValueError(f"{name} is split by row, but no column Linear comes before it in {describe(where)} "
+                             f"({split}): a row split takes a column split's output slice as its input. Split "
+                             f"the Linear that feeds {name} by 'column', or leave {name} whole")
+        columns = columns + [name] if kind == "column" else []
+    if columns:
+        reaches = (f": {columns[-1]}'s output is the model's output, and a rank would return (and take a loss "
+                   "over) its own slice of it" if not where else "")
+        raise ValueError(f"{' and '.join(columns)} split by column, but no row Linear follows in {describe(where)} "
+                         f"to take the output slice{reaches}. Leave {' and '.join(columns)} whole, or split the "
+                         "Linear that reads the output by 'row'")
+
+
+def check_attention(where, attention, tp_size):
+    """A rank computes whole heads: the head counts an attention module names
+    (itself, or in its Hugging Face config) divide by tp_size, and no other
+    layer of it holds parameters (Qwen3's q_norm), whose grads would come
+    from this rank's heads only."""
+    if not hasattr(attention, "head_dim") and not any(hasattr(attention, a) for a in HEAD_COUNTS):
+        return  # not an attention module, or one that names no head count
+    for holder in (attention, getattr(attention, "config", None)):
+        for attr in HEAD_COUNTS:
+            count = getattr(holder, attr, None)
+            if isinstance(count, int) and count % tp_size:
+                raise ValueError(f"{describe(where)} has {attr}={count}, which tp_size={tp_size} does not divide: "
+                                 "a rank computes whole heads. Use a tp_size that divides every head count "
+                                 f"(of queries and of keys/values), or leave {describe(where)}'s Linears whole")
+    for name, child in attention.named_children():
+        if not isinstance(child, nn.Linear) and next(child.parameters(), None) is not None:
+            raise ValueError(f"{child_name(where, name)} ({type(child).__name__}) holds parameters inside "
+                             f"{describe(where)}, whose Linears are split: it would see only this rank's heads, and "
+                             f"its grads would differ between the ranks. Leave {describe(where)}'s Linears whole")
+
+
+def describe(where):
+    return where or "the wrapped module"
+
+
+def child_name(where, name):
+    return f"{where}.{name}" if where else name
