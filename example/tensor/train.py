@@ -24,9 +24,6 @@ def main():
     data = common.load_data(args)  # first: a bad --data exits with one line, before any process group
     with common.Run(args, data) as run:
         model = TensorParallel(common.build_model(args), PLAN, **common.strategy_options(args))
-        if model.module.config.n_head % model.tp_size:  # every rank exits alike
-            raise SystemExit(f"error: {model.tp_size} ranks cannot share {args.model}'s "
-                             f"{model.module.config.n_head} heads evenly")
         opt = TensorParallelAdamW(model, common.param_groups(model.module, args), lr=args.lr)
         sched = common.schedule(opt, args)
         for step in run.steps(model, opt, sched):
