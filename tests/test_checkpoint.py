@@ -130,6 +130,10 @@ def test_crash_during_save_leaves_the_previous_checkpoint(saved):
                       r"ln\.bias, fc1\.weight, fc1\.bias, fc2\.weight; parameters of this model not in the "
                       r"checkpoint: head\.weight; shapes differ: "
                       r"emb\.weight \(13, 10\) in the checkpoint, \(13, 3\) in this model, ln\.weight"),
+    ("fewer groups", r"the optimizer's param groups differ from the checkpoint's: 2 groups saved, 1 in this "
+                     r"optimizer$"),
+    ("other groups", r"param groups differ from the checkpoint's: group 0 holds ln\.weight in this optimizer's "
+                     r"only; group 1 holds ln\.weight in the saved one only$"),
     ("unloadable extra", r"zero2-w2 failed: rank 0: extra holds something that torch\.load\(weights_only=True\) "
                          r"cannot read back \(a pathlib\.PosixPath\): use plain Python values and tensors$"),
 ])
