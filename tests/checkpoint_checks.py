@@ -65,6 +65,10 @@ def precision(mixed_precision, saving=False):
     return {"mixed_precision": mixed_precision}
 
 
+def group_settings(opt):
+    return [{key: value for key, value in group.items() if key != "params"} for group in opt.param_groups]
+
+
 def train(model, opt, sched, steps, poison=()):
     """Steps of the global batch; in the steps of `poison` rank 1's loss is
     inf (under fp16 every rank then skips the step)."""
@@ -107,6 +111,7 @@ def world_of_two(root):
     return {"resume": resume_same_world(root, ALL),
             "mixed": resume_same_world(root, ALL, "bf16") + resume_same_world(root, ALL, "fp16")
             + loads_values(root, "zero3-bf16-w2", "fsdp") + loads_values(root, "zero2-w2", "zero3", "bf16"),
+            "settings": optimizer_state_dict_settings(root),
             "gpt": save_gpt(root),
             "progress": progress_bars(root),
             "crash": crash_during_save(root),
@@ -141,6 +146,7 @@ def resume_same_world(root, names, mixed_precision=None):
         checkpoint.save(root / run, model, opt, step=SAVE_AT,
                         extra={"saved_by": name, "rng": torch.arange(3), "sched": sched.state_dict()})
         at_save = model.full_state_dict()
+        settings = group_settings(opt)
         scaler = model.loss_scaler.state_dict() if model.loss_scaler else None
         skipped = opt.skipped_steps
         if len(poison) != skipped:
@@ -153,6 +159,8 @@ def resume_same_world(root, names, mixed_precision=None):
         if not differences("", model.full_state_dict(), at_save):
             failures.append(f"{run}: a fresh model already equals the saved one: the check proves nothing")
         info = checkpoint.load(root / run, model, opt)
+        if group_settings(opt) != settings:
+            failures.append(f"{run}: param groups {group_settings(opt)} after load, {settings} saved")
         sched.load_state_dict(info["extra"]["sched"])
         if info["step"] != SAVE_AT or info["extra"]["saved_by"] != name or \
                 not torch.equal(info["extra"]["rng"], torch.arange(3)):
@@ -167,6 +175,21 @@ def resume_same_world(root, names, mixed_precision=None):
         if dist.get_rank() == 0:
             failures += differences(f"{run} consolidated", checkpoint.consolidate(root / run), at_save)
     return failures
+
+
+def optimizer_state_dict_settings(root):
+    """opt.load_state_dict(opt.state_dict()) sets the param groups' settings
+    as torch's does (a fresh scheduler's lr and initial_lr replaced)."""
+    model, opt, _ = fresh("zero2")
+    checkpoint.load(root / "zero2-w2", model, opt)  # the lr of step SAVE_AT, not a fresh scheduler's
+    other_model, other_opt, _ = fresh("zero2")
+    before = group_settings(other_opt)
+    other_opt.load_state_dict(opt.state_dict())
+    if before == group_settings(opt):
+        return ["the fresh optimizer's settings equal the saved ones: the check proves nothing"]
+    if group_settings(other_opt) != group_settings(opt):
+        return [f"opt.load_state_dict gave groups {group_settings(other_opt)}, not {group_settings(opt)}"]
+    return []
 
 
 def loads_values(root, source, name, mixed_precision=None):
