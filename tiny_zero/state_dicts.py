@@ -280,13 +280,14 @@ def param_group_differences(saved, mine):
     if len(saved) != len(mine):
         return f"{len(saved)} groups saved, {len(mine)} in this optimizer"
     problems = []
-    for i, (a, b) in enumerate(zip(saved, mine)):
-        only_saved = [name for name in a["params"] if name not in b["params"]]
-        only_mine = [name for name in b["params"] if name not in a["params"]]
-        if only_saved or only_mine:
-            problems.append(f"group {i} holds " + " and ".join(
-                what for what in (only_saved and f"{some(only_saved, 4)} in the saved one only",
-                                  only_mine and f"{some(only_mine, 4)} in this optimizer's only") if what))
+    for i, (theirs, ours) in enumerate(zip(saved, mine)):
+        in_saved, in_mine = set(theirs["params"]), set(ours["params"])
+        only_saved = [name for name in theirs["params"] if name not in in_mine]
+        only_mine = [name for name in ours["params"] if name not in in_saved]
+        differ = ([f"{some(only_saved, 4)} in the saved one only"] if only_saved else []) + \
+                 ([f"{some(only_mine, 4)} in this optimizer's only"] if only_mine else [])
+        if differ:
+            problems.append(f"group {i} holds " + " and ".join(differ))
     return "; ".join(problems) or None
 
 
