@@ -390,9 +390,10 @@ class Wrapper(WrapperStateDicts, nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    # What model.<name> finds on the wrapped module, as under DeepSpeed: what
-    # reads no parameter outside a forward (generate's forwards run through the
-    # strategy's layers). Anything else the module has: model.module.<name>.
+    # What model.<name> finds on the wrapped module, as DeepSpeed's engine
+    # forwards it: only what reads no parameter outside a forward (generate's
+    # forwards run through the strategy's layers), since a rank may hold only
+    # its part of a parameter. Anything else the module has: model.module.<name>.
     FORWARDED = ("generate", "config", "generation_config", "can_generate", "main_input_name",
                  "gradient_checkpointing_enable", "gradient_checkpointing_disable", "enable_input_require_grads")
 
