@@ -1,7 +1,9 @@
 """Worker functions for the checkpoint tests (run on every rank).
 
 Runs train on one fixed global batch per step, split evenly over 1, 2 or 3
-ranks, so runs at different world sizes compute the same thing. Each worker
+ranks, so runs at different world sizes compute the same thing; with two
+param groups and an lr warmup (a resume restores the scheduler as torch
+users do: sched.load_state_dict after checkpoint.load). Each worker
 does many checks in one world and returns a list of failures (strings);
 rank 0 also leaves files in `root` for the next world and the test process.
 """
@@ -25,6 +27,7 @@ from parity_checks import SEQ, VOCAB, FewTensorsNet, ParityNet, wrap
 ROWS = 6  # the global batch: divisible by 1, 2 and 3 ranks
 LR, WD = 1e-2, 0.1
 SAVE_AT, END = 3, 6
+WARMUP = 5  # steps: the lr at SAVE_AT is not a fresh scheduler's
 ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 
 
@@ -36,11 +39,22 @@ def local_batch(step):
     return mine[:, :-1], mine[:, 1:]
 
 
-def fresh(name, net=ParityNet, **options):
+def fresh(name, net=ParityNet, moved=(), **options):
+    """(model, opt, sched): two param groups, matrices (and `moved`) in the
+    first; the lr warms up over WARMUP steps."""
     wrapper_cls, opt_cls = tiny_zero.STRATEGIES[name]
     torch.manual_seed(0)
     model = wrapper_cls(net(), **options) if name == "fsdp" else wrapper_cls(net(), bucket_bytes=200, **options)
-    return model, opt_cls(model, lr=LR, weight_decay=WD)
+    params = dict(model.module.named_parameters())
+    decay = [key for key, p in params.items() if p.dim() >= 2 or key in moved]
+    groups = [{"params": decay},
+              {"params": [key for key in params if key not in decay], "lr": 2 * LR, "weight_decay": 0.0}]
+    opt = opt_cls(model, groups, lr=LR, weight_decay=WD)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+
+
+def warmup(step):
+    return min(1.0, (step + 1) / WARMUP)
 
 
 def precision(mixed_precision, saving=False):
@@ -51,7 +65,11 @@ def precision(mixed_precision, saving=False):
     return {"mixed_precision": mixed_precision}
 
 
-def train(model, opt, steps, poison=()):
+def group_settings(opt):
+    return [{key: value for key, value in group.items() if key != "params"} for group in opt.param_groups]
+
+
+def train(model, opt, sched, steps, poison=()):
     """Steps of the global batch; in the steps of `poison` rank 1's loss is
     inf (under fp16 every rank then skips the step)."""
     for step in steps:
@@ -60,6 +78,7 @@ def train(model, opt, steps, poison=()):
             loss = loss * float("inf")
         model.backward(loss)
         opt.step()
+        sched.step()
         opt.zero_grad()
 
 
@@ -92,6 +111,7 @@ def world_of_two(root):
     return {"resume": resume_same_world(root, ALL),
             "mixed": resume_same_world(root, ALL, "bf16") + resume_same_world(root, ALL, "fp16")
             + loads_values(root, "zero3-bf16-w2", "fsdp") + loads_values(root, "zero2-w2", "zero3", "bf16"),
+            "settings": optimizer_state_dict_settings(root),
             "gpt": save_gpt(root),
             "progress": progress_bars(root),
             "crash": crash_during_save(root),
@@ -121,22 +141,27 @@ def resume_same_world(root, names, mixed_precision=None):
     failures = []
     for name in names:
         run = f"{name}{'-' + mixed_precision if mixed_precision else ''}-w{world}"
-        model, opt = fresh(name, **precision(mixed_precision, saving=True))
-        train(model, opt, range(SAVE_AT), poison)
-        checkpoint.save(root / run, model, opt, step=SAVE_AT, extra={"saved_by": name, "rng": torch.arange(3)})
+        model, opt, sched = fresh(name, **precision(mixed_precision, saving=True))
+        train(model, opt, sched, range(SAVE_AT), poison)
+        checkpoint.save(root / run, model, opt, step=SAVE_AT,
+                        extra={"saved_by": name, "rng": torch.arange(3), "sched": sched.state_dict()})
         at_save = model.full_state_dict()
+        settings = group_settings(opt)
         scaler = model.loss_scaler.state_dict() if model.loss_scaler else None
         skipped = opt.skipped_steps
         if len(poison) != skipped:
             failures.append(f"{run}: {skipped} skipped steps, not {len(poison)}: the check proves nothing")
-        train(model, opt, range(SAVE_AT, END))
+        train(model, opt, sched, range(SAVE_AT, END))
         expected = model.full_state_dict()
         rank0_save(expected, root / f"{run}-final.pt")
 
-        model, opt = fresh(name, **precision(mixed_precision))
+        model, opt, sched = fresh(name, **precision(mixed_precision))
         if not differences("", model.full_state_dict(), at_save):
             failures.append(f"{run}: a fresh model already equals the saved one: the check proves nothing")
         info = checkpoint.load(root / run, model, opt)
+        if group_settings(opt) != settings:
+            failures.append(f"{run}: param groups {group_settings(opt)} after load, {settings} saved")
+        sched.load_state_dict(info["extra"]["sched"])
         if info["step"] != SAVE_AT or info["extra"]["saved_by"] != name or \
                 not torch.equal(info["extra"]["rng"], torch.arange(3)):
             failures.append(f"{run}: load returned {info}")
@@ -145,17 +170,32 @@ def resume_same_world(root, names, mixed_precision=None):
             failures.append(f"{run}: loss scaler {restored}, "
                             f"{opt.skipped_steps} skipped; saved {scaler}, {skipped} skipped")
         failures += differences(f"{run} right after load", model.full_state_dict(), at_save)
-        train(model, opt, range(SAVE_AT, END))
+        train(model, opt, sched, range(SAVE_AT, END))
         failures += differences(f"{run} resumed to step {END}", model.full_state_dict(), expected)
         if dist.get_rank() == 0:
             failures += differences(f"{run} consolidated", checkpoint.consolidate(root / run), at_save)
     return failures
 
 
+def optimizer_state_dict_settings(root):
+    """opt.load_state_dict(opt.state_dict()) sets the param groups' settings
+    as torch's does (a fresh scheduler's lr and initial_lr replaced)."""
+    model, opt, _ = fresh("zero2")
+    checkpoint.load(root / "zero2-w2", model, opt)  # the lr of step SAVE_AT, not a fresh scheduler's
+    other_model, other_opt, _ = fresh("zero2")
+    before = group_settings(other_opt)
+    other_opt.load_state_dict(opt.state_dict())
+    if before == group_settings(opt):
+        return ["the fresh optimizer's settings equal the saved ones: the check proves nothing"]
+    if group_settings(other_opt) != group_settings(opt):
+        return [f"opt.load_state_dict gave groups {group_settings(other_opt)}, not {group_settings(opt)}"]
+    return []
+
+
 def loads_values(root, source, name, mixed_precision=None):
     """Across precisions: right after loading `source`, full_state_dict (the
     fp32 masters) equals what the source run had when it saved."""
-    model, opt = fresh(name, **precision(mixed_precision))
+    model, opt, _ = fresh(name, **precision(mixed_precision))
     checkpoint.load(root / source, model, opt)
     want = checkpoint.consolidate(root / source)
     where = f"{source} -> {name}{' ' + mixed_precision if mixed_precision else ''}"
@@ -172,14 +212,15 @@ def resume_across(root, source, names, resave_as=None):
     world = dist.get_world_size()
     failures = []
     for name in names:
-        model, opt = fresh(name)
+        model, opt, sched = fresh(name)
         info = checkpoint.load(root / source, model, opt)
+        sched.load_state_dict(info["extra"]["sched"])
         if info["step"] != SAVE_AT:
             failures.append(f"{source} -> {name} w{world}: step {info['step']}")
         if resave_as and name == names[0]:
             checkpoint.save(root / resave_as, model, opt, step=info["step"], extra=info["extra"])
             rank0_save(expected, root / f"{resave_as}-final.pt")
-        train(model, opt, range(SAVE_AT, END))
+        train(model, opt, sched, range(SAVE_AT, END))
         failures += differences(f"{source} -> {name} w{world}", model.full_state_dict(), expected, atol=5e-5)
     return failures
 
@@ -226,15 +267,15 @@ def crash_during_save(root):
     path = root / "crash"
     rank = dist.get_rank()
     failures = []
-    model, opt = fresh("zero2")
-    train(model, opt, range(SAVE_AT))
+    model, opt, sched = fresh("zero2")
+    train(model, opt, sched, range(SAVE_AT))
     checkpoint.save(path, model, opt, step=SAVE_AT)
     old = model.full_state_dict()
-    train(model, opt, range(SAVE_AT, SAVE_AT + 1))
+    train(model, opt, sched, range(SAVE_AT, SAVE_AT + 1))
     new = model.full_state_dict()
 
     def loads_as(where, want_step, want):
-        fresh_model, fresh_opt = fresh("zero2")
+        fresh_model, fresh_opt, _ = fresh("zero2")
         info = checkpoint.load(path, fresh_model, fresh_opt)
         problems = [] if info["step"] == want_step else [f"{where}: step {info['step']}, not {want_step}"]
         return problems + differences(where, fresh_model.full_state_dict(), want)
@@ -307,7 +348,7 @@ def error_cases(root):
         if dist.get_rank() == 0:
             how(target)
         dist.barrier()
-        model, opt = fresh("fsdp")
+        model, opt, _ = fresh("fsdp")
         before = model.full_state_dict()
         try:
             checkpoint.load(target, model, opt)
@@ -326,21 +367,34 @@ def error_cases(root):
     break_it("not a checkpoint", root / "empty", lambda d: d.mkdir())
     break_it("no checkpoint", root / "nothing-here", lambda d: None)
 
-    model, opt = fresh("zero3", FewTensorsNet)
+    model, opt, _ = fresh("zero3", FewTensorsNet)
     try:
         checkpoint.load(source, model, opt)
         messages["another model"] = "FAILED: loaded without an error"
     except checkpoint.CheckpointError as e:
         messages["another model"] = str(e)
 
-    model, opt = fresh("zero2")
+    model, opt, _ = fresh("zero2")
+    for case, (other_model, other_opt) in [("fewer groups", (model, tiny_zero.STRATEGIES["zero2"][1](model, lr=LR))),
+                                           ("other groups", fresh("zero2", moved=["ln.weight"])[:2])]:
+        try:
+            checkpoint.load(source, other_model, other_opt)
+            messages[case] = "FAILED: loaded without an error"
+        except checkpoint.CheckpointError as e:
+            messages[case] = str(e)
+        try:  # the optimizer's own state_dict checks the same
+            other_opt.load_state_dict(opt.state_dict())
+            messages[case] = "FAILED: opt.load_state_dict loaded without an error"
+        except ValueError as e:
+            if "the saved param groups differ from this optimizer's" not in str(e):
+                messages[case] = f"FAILED: opt.load_state_dict raised {e}"
     checkpoint.load(source, model, opt)
     try:  # an `extra` that load could not read back fails the save, and the old checkpoint stays
         checkpoint.save(source, model, opt, step=99, extra={"unreadable": Path("x")})
         messages["unloadable extra"] = "FAILED: saved without an error"
     except checkpoint.CheckpointError as e:
         messages["unloadable extra"] = str(e)
-    if checkpoint.load(source, *fresh("zero2"))["step"] != SAVE_AT:
+    if checkpoint.load(source, *fresh("zero2")[:2])["step"] != SAVE_AT:
         messages["unloadable extra"] = "FAILED: the failed save replaced the checkpoint"
     return messages
 

@@ -1,10 +1,13 @@
-"""Sharded checkpoints (tiny_zero.checkpoint): resuming is bit-identical on
+"""Sharded checkpoints (tiny_zero.checkpoint): resuming (with two param
+groups and an lr scheduler, restored as torch users do) is bit-identical on
 the same strategy and world size (fp32, bf16, and fp16 with its loss
 scaler), and within 5e-5 across strategies and world sizes (zero2 at 2
-ranks -> fsdp at 3 -> ddp at 1 among them); the consolidated file is the
-full state_dict and the example GPT loads it strictly; a crash during save
-leaves the previous checkpoint; broken checkpoints raise clear errors on
-every rank.
+ranks -> fsdp at 3 -> ddp at 1 among them); the optimizer's param-group
+settings come back, from a checkpoint and from opt.state_dict(); the
+consolidated file is the full state_dict and the example GPT loads it
+strictly; a crash during save leaves the previous checkpoint; broken
+checkpoints (optimizer groups that do not match among them) raise clear
+errors on every rank.
 
 Three worlds (2, then 3 and 1 loading what 2 saved) and two CLI runs."""
 import re
@@ -50,6 +53,12 @@ def test_resume_is_bit_identical_on_the_same_strategy_and_world(saved, resharded
     three, _ = resharded
     problems = failures(results["resume"]) + failures(results["mixed"]) + failures(three["resume"])
     assert not problems, "\n".join(problems[:40])
+
+
+def test_optimizer_state_dict_carries_the_param_group_settings(saved):
+    _, results = saved
+    problems = failures(results["settings"])
+    assert not problems, "\n".join(problems)
 
 
 def test_resume_across_strategies_and_world_sizes(resharded):
@@ -130,6 +139,10 @@ def test_crash_during_save_leaves_the_previous_checkpoint(saved):
                       r"ln\.bias, fc1\.weight, fc1\.bias, fc2\.weight; parameters of this model not in the "
                       r"checkpoint: head\.weight; shapes differ: "
                       r"emb\.weight \(13, 10\) in the checkpoint, \(13, 3\) in this model, ln\.weight"),
+    ("fewer groups", r"the optimizer's param groups differ from the checkpoint's: 2 groups saved, 1 in this "
+                     r"optimizer$"),
+    ("other groups", r"param groups differ from the checkpoint's: group 0 holds ln\.weight in this optimizer's "
+                     r"only; group 1 holds ln\.weight in the saved one only$"),
     ("unloadable extra", r"zero2-w2 failed: rank 0: extra holds something that torch\.load\(weights_only=True\) "
                          r"cannot read back \(a pathlib\.PosixPath\): use plain Python values and tensors$"),
 ])

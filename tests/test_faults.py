@@ -9,6 +9,10 @@ same per-step losses as a run that was never interrupted.
 Non-finite loss: a learning rate far too large makes the loss inf/nan within
 a few steps; the example stops with an error naming the step, on every rank,
 or with --skip-nonfinite skips those steps and says how many.
+
+A peer that dies: the surviving rank's error names what it was doing
+(full_state_dict) and says the collective failed at once, not after the
+timeout.
 """
 import os
 import re
@@ -179,3 +183,52 @@ def test_skip_nonfinite_skips_and_counts(tmp_path):
     skipped = STEPS_DIVERGING - len(losses(out))  # a step prints its loss only when it trains
     assert 0 < skipped < STEPS_DIVERGING, out
     assert re.search(rf"^skipped {skipped} steps with a non-finite loss$", out, re.MULTILINE), out
+
+
+def test_a_dead_peer_is_told_where_and_at_once(tmp_path):
+    """Rank 1 dies after an optimizer step; rank 0 then calls
+    full_state_dict (fsdp: a collective). Two plain processes, not torchrun,
+    whose agent could stop rank 0 before it prints."""
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    ranks = [Launched([sys.executable, __file__, "peer-dies"], tmp_path, f"rank{rank}", {**env, "RANK": str(rank)})
+             for rank in range(2)]
+    for rank in ranks:
+        rank.__enter__()
+    try:
+        assert ranks[0].wait(timeout=120) == 0, ranks[0].output()
+        assert ranks[1].wait(timeout=30) == 3, ranks[1].output()
+    finally:
+        for rank in ranks:
+            rank.kill()
+    error = ranks[0].stdout
+    assert re.search(r"^CollectiveError: .*waited for in full_state_dict, failed after \d+\.\d s of waiting: ",
+                     error, re.MULTILINE), error
+    assert float(re.search(r"failed after (\S+) s", error)[1]) < 60, error
+
+
+def peer_dies_in_full_state_dict():
+    """Each rank of test_a_dead_peer_is_told_where_and_at_once."""
+    import torch.distributed as dist
+
+    import tiny_zero
+    sys.path.insert(0, str(ROOT / "tests"))
+    from parity_checks import ParityNet
+    dist.init_process_group("gloo")
+    model = tiny_zero.STRATEGIES["fsdp"][0](ParityNet())
+    opt = tiny_zero.STRATEGIES["fsdp"][1](model, lr=1e-2)
+    tokens = torch.randint(0, 13, (2, 8))
+    model(tokens, tokens).backward()
+    opt.step()
+    if dist.get_rank() == 1:
+        os._exit(3)
+    try:
+        model.full_state_dict()
+        print("full_state_dict returned")
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}")
+    sys.stdout.flush()
+    os._exit(0)  # no teardown of a group whose peer has gone
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["peer-dies"]:
+    peer_dies_in_full_state_dict()

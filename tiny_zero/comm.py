@@ -28,6 +28,7 @@ GatherOrder, gather_units: zero3's and fsdp's units (a block, by default),
 """
 import atexit
 import sys
+import time
 import weakref
 import zlib
 from collections import defaultdict
@@ -69,15 +70,20 @@ class Pending:
 
     def wait(self):
         started = recorder.stamp() if recorder is not None else None
+        waiting_since = time.monotonic()
         try:
             if self.on_cuda:
                 self.work.wait()
             else:
                 self.work.wait(timeout)
         except RuntimeError as e:
+            waited = time.monotonic() - waiting_since
+            # a peer that died fails the wait at once; a rank that never comes, at the timeout
+            timed_out = waited >= 0.99 * timeout.total_seconds()
+            how = f"timed out after {timeout}" if timed_out else f"failed after {waited:.1f} s of waiting"
             raise CollectiveError(
                 f"{self.kind} of {self.numel} elements, started in {self.where} and waited for in "
-                f"{where}, failed or timed out after {timeout}: a rank may have skipped a forward or "
+                f"{where}, {how}: a rank may have skipped a forward or "
                 f"backward that the others ran, or died ({e})") from e
         if recorder is not None:
             recorder.waited(self, started)

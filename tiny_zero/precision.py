@@ -6,8 +6,11 @@ tensors it steps (tiny_zero.optim.AdamW does this for any low-precision
 parameter). fp16's small range needs loss scaling: the loss is multiplied by
 a large scale before backward so small grads do not flush to zero, and the
 optimizer divides it out again (inside the AdamW kernel, with clipping).
+Floating-point inputs are cast to the parameters' dtype as they enter the
+model (cast_floating_inputs).
 """
 import torch
+from torch.utils._pytree import tree_map_only
 
 DTYPES = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -19,6 +22,18 @@ def take_written_(master, values):
     master's fp32 precision."""
     values = values.to(master.device)  # offload: the masters are in host memory
     master.copy_(torch.where(values != master.to(values.dtype), values.to(master.dtype), master))
+
+
+def cast_floating_inputs(dtype):
+    """A forward pre-hook for the wrapped module under bf16 and fp16: its
+    floating-point tensor inputs are cast to `dtype`, the parameters', as
+    FSDP2 casts them (MixedPrecisionPolicy's cast_forward_inputs). A float32
+    batch would otherwise meet low-precision weights in the first Linear
+    ("mat1 and mat2 must have the same dtype"); integer inputs (token ids,
+    labels) stay as they are."""
+    def cast(module, args, kwargs):
+        return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+    return cast
 
 
 def param_dtype(mixed_precision):

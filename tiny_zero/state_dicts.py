@@ -25,6 +25,7 @@ class WrapperStateDicts:
 
     def full_state_dict(self):
         """Full fp32 values (the masters), keys as module.state_dict(), on every rank."""
+        comm.where = "full_state_dict"
         self.adopt_param_writes()
         full = self.gather_full()
         return {k: full[v] if v in full else v.detach().float().cpu().clone()
@@ -226,10 +227,29 @@ class OptimizerStateDicts:
                 state[f"shard{shard_index[id(key)]}"] = {k: v.clone() for k, v in value.items()}
             elif key in names:
                 state[names[key]] = {k: v.clone() for k, v in value.items()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
-                  for g in self.param_groups]
-        return {"state": state, "param_groups": groups, "skipped_steps": self.skipped_steps,
+        return {"state": state, "param_groups": self.named_param_groups(), "skipped_steps": self.skipped_steps,
                 "made_by": self.made_by()}
+
+    def named_param_groups(self):
+        """opt.param_groups as torch's state_dict keeps them: every setting
+        (lr, betas, ..., what a scheduler adds, such as initial_lr), and the
+        parameters by name, so that the groups load on any strategy."""
+        names = self.model.param_names()
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+                for g in self.param_groups]
+
+    def load_param_groups(self, saved):
+        """Take every setting of the `saved` groups (named_param_groups()), as
+        torch's load_state_dict does: each group becomes the saved one, with
+        its own parameters. Raises ValueError if the groups hold other
+        parameters than the saved ones, before changing anything."""
+        problem = param_group_differences(saved, self.named_param_groups())
+        if problem:
+            raise ValueError(f"the saved param groups differ from this optimizer's: {problem}")
+        for group, settings in zip(self.param_groups, saved):
+            params = group["params"]
+            group.clear()  # keys the saved group lacks go too, as in torch
+            group.update({**settings, "params": params})
 
     def made_by(self):
         """Where this state belongs. Under ddp every rank's is the same, so any
@@ -246,15 +266,34 @@ class OptimizerStateDicts:
                 "Each rank must load its own state_dict into the same strategy and world size; "
                 "tiny_zero.checkpoint.save/load move state across strategies and world sizes")
         model = self.model
+        self.load_param_groups(state_dict["param_groups"])
         by_name = dict(model.named_params)
         for key, value in state_dict["state"].items():
             target = model.shards[int(key[5:])] if key.startswith("shard") else by_name[key]
             self.state[target] = {k: v.to(target.device if k != "step" else "cpu").clone() for k, v in value.items()}
-        groups = []
-        for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            groups.append({**saved, "params": group["params"]})
-        self.param_groups = groups
         self.skipped_steps = state_dict.get("skipped_steps", 0)
+
+
+def param_group_differences(saved, mine):
+    """What differs between two lists of named param groups in which
+    parameters they hold (their settings may differ): a sentence, or None."""
+    if len(saved) != len(mine):
+        return f"{len(saved)} groups saved, {len(mine)} in this optimizer"
+    problems = []
+    for i, (theirs, ours) in enumerate(zip(saved, mine)):
+        in_saved, in_mine = set(theirs["params"]), set(ours["params"])
+        only_saved = [name for name in theirs["params"] if name not in in_mine]
+        only_mine = [name for name in ours["params"] if name not in in_saved]
+        differ = ([f"{some(only_saved, 4)} in the saved one only"] if only_saved else []) + \
+                 ([f"{some(only_mine, 4)} in this optimizer's only"] if only_mine else [])
+        if differ:
+            problems.append(f"group {i} holds " + " and ".join(differ))
+    return "; ".join(problems) or None
+
+
+def some(items, most=6):
+    """The first `most` items, and how many more."""
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 def _describe(made_by):

@@ -33,6 +33,7 @@ averages, and the averages add up; param groups and lr schedulers work as in
 torch.optim. Ranks that are about to run different collectives find out
 first (comm.agree) and raise the same error.
 """
+import functools
 import logging
 from collections import namedtuple
 from contextlib import contextmanager
@@ -50,7 +51,7 @@ from .module import (CallbackLayer, check_no_grad_hooks, check_supported, expect
 from .module import layer_classes as module_layer_classes
 from .optim import adamw_update_
 from .optim.adamw import check_group, check_hparams, check_options
-from .precision import LossScaler, param_dtype
+from .precision import LossScaler, cast_floating_inputs, param_dtype
 from .state_dicts import OptimizerStateDicts, WrapperStateDicts, param_versions
 
 log = logging.getLogger("tiny_zero")
@@ -157,6 +158,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
                    reduce_dtype=comm.value_hash(self.reduce_dtype), loss_scaler=int(self.loss_scaler is not None))
         swap_layers(module, self.layer_classes)
         module.to(self.param_dtype)
+        if self.param_dtype != torch.float32:
+            module.register_forward_pre_hook(cast_floating_inputs(self.param_dtype), with_kwargs=True)
         layers = [(path, m) for path, m in module.named_modules() if isinstance(m, CallbackLayer)]
         for index, (path, layer) in enumerate(layers):
             layer.__dict__["wrapper"] = self  # a plain attribute, not a submodule
@@ -386,6 +389,30 @@ class Wrapper(WrapperStateDicts, nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    # What model.<name> finds on the wrapped module, as DeepSpeed's engine
+    # forwards it: only what reads no parameter outside a forward (generate's
+    # forwards run through the strategy's layers), since a rank may hold only
+    # its part of a parameter. Anything else the module has: model.module.<name>.
+    FORWARDED = ("generate", "config", "generation_config", "can_generate", "main_input_name",
+                 "gradient_checkpointing_enable", "gradient_checkpointing_disable", "enable_input_require_grads")
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules (model.module)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or not hasattr(module, name):
+                raise
+        if name == "generate" and not self.module_values_whole and self.world_size > 1:
+            # every forward sends collectives: a rank whose sequences have ended
+            # runs forwards on until every rank's have (Hugging Face's synced_gpus)
+            return functools.partial(module.generate, synced_gpus=True)
+        if name in self.FORWARDED:
+            return getattr(module, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}; the wrapped module has: use "
+                             f"model.module.{name}, on every rank alike (outside a forward, a parameter may hold "
+                             "only this rank's part)")
 
     def scale_output(self, module, args, out):
         """fp16, a forward hook of the module: grads are scaled from where they

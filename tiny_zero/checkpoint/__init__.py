@@ -11,8 +11,9 @@ A checkpoint is a directory:
 
     meta.pt                    rank 0: the model's parameters (name, shape,
                                dtype), its state_dict keys (tied names
-                               included), which file holds which ranges, the
-                               step and `extra`
+                               included), the optimizer's param groups (their
+                               settings, their parameters by name), which
+                               file holds which ranges, the step and `extra`
     shard-00000-of-00002.pt    one per saving rank: the elements it held
 
 Every parameter is seen as a flat vector. A shard holds ranges [lo, hi) of

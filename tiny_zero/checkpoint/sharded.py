@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from .. import comm
 from ..materialize import weights_loaded
-from ..state_dicts import state_dict_names
+from ..state_dicts import param_group_differences, state_dict_names
+from ..state_dicts import some as _some
 
 log = logging.getLogger("tiny_zero")
 
@@ -54,6 +55,7 @@ def save(path, model, opt, *, step=0, extra=None):
     `path` (replacing one that is there). Call it on every rank. `extra`: plain
     Python values and tensors (it is read back with weights_only=True)."""
     path = Path(path)
+    comm.where = "saving a checkpoint"
     failed = f"saving checkpoint {path} failed"
     saving = saving_dir(path)
     comm.settle_agreements()  # ranks that disagree on a step (their replicas apart) write nothing
@@ -62,7 +64,7 @@ def save(path, model, opt, *, step=0, extra=None):
     infos = _agree(failed, error, info)  # every rank's file is complete after this
     error = None
     if model.rank == 0:
-        _, error = _attempt(_publish, saving, path, model, infos, step, extra)
+        _, error = _attempt(_publish, saving, path, model, opt, infos, step, extra)
     _agree(failed, error)
 
 
@@ -99,11 +101,12 @@ def _write_shard(saving, model, opt):
     return {"file": file.name, "size": file.stat().st_size, "ranges": list(shard["step"]), "layout": layout}
 
 
-def _meta(model, infos, step, extra):
+def _meta(model, opt, infos, step, extra):
     return {
         "format": FORMAT, "version": VERSION,
         "strategy": type(model).__name__, "world_size": model.world_size,
         "params": _params(model.module, infos),
+        "param_groups": opt.named_param_groups(),  # the optimizer's settings, its parameters by name
         "state_dict": state_dict_names(model.module),
         "buffers": _buffers(model.module),
         "files": {i["file"]: {"size": i["size"], "ranges": i["ranges"]} for i in infos},
@@ -135,9 +138,9 @@ def _write(obj, file):
         os.fsync(f.fileno())  # on disk before the rename that publishes it
 
 
-def _publish(saving, path, model, infos, step, extra):
+def _publish(saving, path, model, opt, infos, step, extra):
     """meta.pt last, then the directory into place."""
-    _write(_meta(model, infos, step, extra), saving / META)
+    _write(_meta(model, opt, infos, step, extra), saving / META)
     try:  # what load will do, so that an `extra` it cannot read fails now, not at resume time
         torch.load(saving / META, weights_only=True)
     except Exception as e:
@@ -158,15 +161,17 @@ def _publish(saving, path, model, infos, step, extra):
 
 @torch.no_grad()
 def load(path, model, opt):
-    """Restore parameters, optimizer state and loss scale saved by save(),
-    whatever strategy and world size saved them. Call it on every rank.
-    Returns {"step": ..., "extra": ...} as given to save()."""
+    """Restore parameters, optimizer state and settings (opt.param_groups'
+    lr and the rest, as torch's opt.load_state_dict) and loss scale saved by
+    save(), whatever strategy and world size saved them. Call it on every
+    rank. Returns {"step": ..., "extra": ...} as given to save()."""
     path = Path(path)
+    comm.where = "loading a checkpoint"
     failed = f"cannot load checkpoint {path}"
     pieces = model.pieces()
     shapes = {name: tuple(shape) for name, shape in model.shapes.items()}  # full shapes, in model order
     names = list(shapes)
-    read, error = _attempt(_read_for_rank, path, names, shapes, pieces, model.rank)
+    read, error = _attempt(_read_for_rank, path, names, shapes, opt.named_param_groups(), pieces, model.rank)
     _agree(failed, error)  # every rank has read and checked all it needs; nothing has changed yet
     meta, parts, scaler_state, skipped_steps = read
 
@@ -182,16 +187,22 @@ def load(path, model, opt):
         scaler.load_state_dict(scaler_state)
     if skipped_steps is not None and hasattr(opt, "skipped_steps"):
         opt.skipped_steps = skipped_steps
+    if "param_groups" in meta:  # checked in _read_for_rank
+        opt.load_param_groups(meta["param_groups"])
+    else:
+        log.warning("%s was saved without the optimizer's param groups (by an older tiny_zero): "
+                    "their settings (lr, ...) stay as they are", path)
     for key, value in meta["buffers"].items():
         model.module.get_buffer(key).copy_(value)
     weights_loaded(model.module)  # a model built on meta without an init may now run
     return {"step": meta["step"], "extra": meta["extra"]}
 
 
-def _read_for_rank(path, names, shapes, pieces, rank):
+def _read_for_rank(path, names, shapes, groups, pieces, rank):
     directory = _find(path)
     meta = _read_meta(directory)
     _check_same_model(meta, names, shapes)
+    _check_same_groups(meta, groups)
     shards = ShardReader(directory, meta)
     parts = [shards.read(p.name, p.lo, p.hi) for p in progress(pieces, "loading checkpoint")]
     # the loss scaler's state is the same in every shard: one this rank has opened, or any
@@ -263,15 +274,18 @@ def _check_same_model(meta, names, shapes):
                               + "; ".join(problems))
 
 
+def _check_same_groups(meta, groups):
+    """The optimizer's param groups hold the parameters they held when saved."""
+    problem = param_group_differences(meta.get("param_groups", groups), groups)
+    if problem:
+        raise CheckpointError(f"the optimizer's param groups differ from the checkpoint's: {problem}")
+
+
 def progress(items, what):
     """`items`, with a progress bar on stderr on rank 0 once the work has
     lasted PROGRESS_AFTER_S: a large model takes a while to read or write."""
     quiet = dist.is_initialized() and dist.get_rank() != 0
     return tqdm(items, desc=what, unit=" tensors", disable=quiet, delay=PROGRESS_AFTER_S, leave=False)
-
-
-def _some(items, most=6):
-    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 class ShardReader:
