@@ -313,9 +313,7 @@ class Run:
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
             step, schedule_state = saved["step"], saved["schedule"]
-        self.sched.load_state_dict(schedule_state)
-        for group, lr in zip(opt.param_groups, self.sched.get_last_lr()):
-            group["lr"] = lr  # the schedule's lr for the step it resumes at
+        self.sched.load_state_dict(schedule_state)  # the optimizer's lr came back with its param groups
         if self.rank == 0:
             print(f"resumed from {args.save_dir} at step {step}")
         return step
