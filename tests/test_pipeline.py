@@ -63,13 +63,20 @@ def worlds(tmp_path_factory):
         ("grads", "grads_and_state_dicts", ()),
         ("live gpipe", "live_microbatches", ("gpipe", None, 4)),
         ("live 1f1b", "live_microbatches", ("1f1b", None, 4)),
-        ("precision", "mixed_precision", ())])
+        ("precision", "mixed_precision", ()),
+        ("several tensors", "several_tensors", ([("gpipe", 2, [1, 3]), ("1f1b", 2, [2, 2])],)),
+        ("no parameters", "stage_without_parameters", (str(root),)),
+        ("hf llama", "hf_llama", (2,))])
     results[4] = run_checks(4, "pipeline_checks", plan(
         4, root, saves=[("pipe2x2", "pipeline", 2)],
         loads=[("pipe2", "pipeline", 4), ("pipe2", "pipeline", 2), ("pipe2", "fsdp", None)]) + [
         ("loops 2x2", "training_loops", ("1f1b", 2)),
         ("live gpipe", "live_microbatches", ("gpipe", None, 6)),
-        ("live 1f1b", "live_microbatches", ("1f1b", None, 6))])
+        ("live 1f1b", "live_microbatches", ("1f1b", None, 6)),
+        ("several tensors", "several_tensors", ([("gpipe", 4, [1, 1, 1, 1]), ("1f1b", 4, [1, 1, 1, 1]),
+                                                 ("1f1b", 2, [2, 2])],)),
+        ("no parameters", "stage_without_parameters", (str(root),)),
+        ("hf llama", "hf_llama", (2,))])
     results[3] = run_checks(3, "pipeline_checks", plan(
         3, root, loads=[("pipe2x2", "pipeline", 3), ("pipe2x2", "ddp", None)]))
     return results
@@ -108,6 +115,31 @@ def test_torch_training_loop_semantics(worlds, world, check):
 def test_grads_and_state_dicts(worlds):
     problems = failures(worlds[2]["grads"])
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stages_pass_tuples_and_dicts_of_tensors(worlds, world):
+    """A tuple and a dict (ints, a bool, None, a float sent forward only)
+    between stages, a stage without parameters whose output is a transpose,
+    the length changing from step to step: torch's losses and parameters,
+    each layout sent once per shape."""
+    problems = failures(worlds[world]["several tensors"])
+    assert not problems, "\n".join(problems[:30])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_stage_without_parameters_trains_and_saves(worlds, world):
+    problems = failures(worlds[world]["no parameters"])
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_hugging_face_llama_cut_by_layers_trains_as_torch(worlds, world):
+    """pipeline_stages(llama, 2): 2 stages at world 2, 2 stages × 2 replicas
+    at world 4; grouped-query attention, rotary, a tied and an untied head;
+    GPipe and 1F1B."""
+    problems = failures(worlds[world]["hf llama"])
+    assert not problems, "\n".join(problems[:30])
 
 
 def test_mixed_precision_follows_fp32(worlds):
