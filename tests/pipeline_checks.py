@@ -593,12 +593,13 @@ def hf_llama(stages):
     1F1B, a tied and an untied head, against the model in torch: the loss of
     each of 4 AdamW steps (eps=1) and every parameter after them. The tied
     run passes an attention mask along the stages."""
-    from tiny_zero.pipeline import pipeline_stages
+    from tiny_zero.pipeline.stages import pipeline_stages
     failures = []
     for schedule in ("gpipe", "1f1b"):
         for tied in (True, False):
             model = tiny_llama(tied)
-            pipe = Pipeline(pipeline_stages(model, stages), token_loss, microbatches=2, schedule=schedule)
+            pipe = Pipeline(pipeline_stages(model, stages), token_loss, microbatches=2, schedule=schedule,
+                            stages=stages)
             opt = PipelineAdamW(pipe, lr=LR, eps=1.0, weight_decay=WD)
             ref = tiny_llama(tied)
             ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0, weight_decay=WD)

@@ -19,7 +19,8 @@ from example import train_common as common
 from example import hf
 from example.model import CONFIGS, LlamaConfig, build_model, build_sequential, loss_fn
 from tiny_zero.distributed import init_distributed
-from tiny_zero.pipeline import Pipeline, PipelineAdamW, pipeline_stages
+from tiny_zero.pipeline import Pipeline, PipelineAdamW
+from tiny_zero.pipeline.stages import pipeline_stages
 
 
 def pipeline_flags(p):

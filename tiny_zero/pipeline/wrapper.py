@@ -13,10 +13,12 @@ that several stages hold (a tied embedding and head) is owned by the first of
 them: only there is it stepped and saved; the others keep a copy at the end
 of flat_params, outside what the optimizer steps.
 Collectives:
-- per micro-batch, point to point with the neighbour stages: its activation
-  to the next stage after its forward, the grad of its input to the previous
-  one after its backward. A stage posts what its last action made together
-  with what its next one needs (comm.exchange), and waits only to receive.
+- per micro-batch, point to point with the neighbour stages: the tensors of
+  its output to the next stage after its forward (a tensor, or tuples and
+  dicts of them; their layout first, once per input shape: messages.py), the
+  grads of the received tensors that carry one to the previous stage after
+  its backward. A stage posts what its last action made together with what
+  its next one needs (comm.exchange), and waits only to receive.
 - in the last micro-batch's backward, all_reduce of each bucket of grads
   among the stage's replicas, as soon as it is final (layers.py); at the end,
   the waits and the division by R.
