@@ -1,5 +1,14 @@
-"""How a model is cut into stages: the children of an nn.Sequential in runs
-of consecutive children, balanced by parameter count or as given (stage_sizes)."""
+"""How a model is cut into stages.
+
+    stage_sizes       the children of an nn.Sequential in runs of consecutive
+                      children, one run per stage: balanced by parameter
+                      count, or as given
+    pipeline_stages   a Hugging Face decoder model as such an nn.Sequential:
+                      one DecoderStage per stage, cut by decoder layers
+
+tiny_zero never imports transformers: the decoder's parts are found by the
+names transformers gives them, and its mask functions in the model's own
+module."""
 import sys
 from functools import cache
 from itertools import accumulate
