@@ -2,9 +2,11 @@
 
 The model is the example GPT as an nn.Sequential (example/model.py:
 GPTSequential), small: embeddings whose wte is tied to the head, two
-attention blocks, the head; four children. Every check compares with plain
-torch on one process (nn layers, torch.optim.AdamW, the concatenated batch)
-and returns a list of failures, or measurements.
+attention blocks, the head; four children. Besides: stages that pass tuples
+and dicts of tensors (several_tensors_model), a stage without parameters,
+and a Hugging Face Llama cut by pipeline_stages. Every check compares with
+plain torch on one process (nn layers, torch.optim.AdamW, the concatenated
+batch) and returns a list of failures, or measurements.
 """
 from contextlib import nullcontext
 
