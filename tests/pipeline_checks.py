@@ -2,9 +2,11 @@
 
 The model is the example GPT as an nn.Sequential (example/model.py:
 GPTSequential), small: embeddings whose wte is tied to the head, two
-attention blocks, the head; four children. Every check compares with plain
-torch on one process (nn layers, torch.optim.AdamW, the concatenated batch)
-and returns a list of failures, or measurements.
+attention blocks, the head; four children. Besides: stages that pass tuples
+and dicts of tensors (several_tensors_model), a stage without parameters,
+and a Hugging Face Llama cut by pipeline_stages. Every check compares with
+plain torch on one process (nn layers, torch.optim.AdamW, the concatenated
+batch) and returns a list of failures, or measurements.
 """
 from contextlib import nullcontext
 
@@ -409,3 +411,216 @@ def attempt(action):
     finally:
         for name, function in saved.items():
             setattr(dist, name, function)
+
+
+# ---------------------------------------------------------------- stages that pass several tensors
+
+V, C = 11, 6  # vocabulary, width
+
+
+class Embed(nn.Module):
+    """A dict in; a tuple out: the hidden states, the ids (int64), and a float
+    that needs no grad (sent forward only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, C)
+
+    def forward(self, x):
+        ids = x["ids"]
+        return self.emb(ids), ids, (ids % 3).float()
+
+
+class Mix(nn.Module):
+    """A tuple in; a dict out: a bool, a None, and the input hidden states
+    passed on unchanged beside the new ones (both get grads back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+
+    def forward(self, inputs):
+        h, ids, weight = inputs
+        return {"h": torch.tanh(self.fc(h)) * weight.unsqueeze(-1), "residual": h, "ids": ids,
+                "odd": ids % 2 == 1, "nothing": None}
+
+
+class Swap(nn.Module):
+    """No parameters; its output is a transpose, not contiguous."""
+
+    def forward(self, d):
+        return {**d, "h": d["h"].transpose(1, 2)}
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, C)
+        self.fc = nn.Linear(C, V)
+
+    def forward(self, d):
+        h = d["h"].transpose(1, 2) + d["residual"] + self.emb(d["ids"]) * d["odd"].unsqueeze(-1)
+        return self.fc(h)
+
+
+def several_tensors_model():
+    torch.manual_seed(0)
+    return nn.Sequential(Embed(), Mix(), Swap(), Head())
+
+
+def token_loss(logits, y):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def token_batch(step, replicas):
+    """The global batch of a step; its length changes from step to step (6, 4, 6, 4, ...)."""
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, V, (replicas * ROWS, (6, 4)[step % 2] + 1), generator=g)
+    return {"ids": tokens[:, :-1]}, tokens[:, 1:]
+
+
+def several_tensors(runs):
+    """runs: [(schedule, stages, balance)]. Stages that pass a tuple and a dict
+    (ints, a bool, None, a float forward only, a tensor passed on) and a stage
+    without parameters whose output is a transpose, against torch: the loss of
+    every step and every parameter after 4 AdamW steps (eps=1). The sequence
+    length changes every step: each stage sends its layout once per shape,
+    then only the tensors (counted)."""
+    failures = []
+    for schedule, stages, balance in runs:
+        pipe = Pipeline(several_tensors_model(), token_loss, microbatches=2, schedule=schedule, stages=stages,
+                        balance=balance)
+        opt = PipelineAdamW(pipe, lr=LR, eps=1.0, weight_decay=WD)
+        ref = several_tensors_model()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0, weight_decay=WD)
+        where = f"{schedule} S={pipe.stages} R={pipe.replicas} balance {balance}"
+        for step in range(4):
+            x, y = token_batch(step, pipe.replicas)
+            ref_loss = token_loss(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            comm.stats.reset()
+            rows = slice(pipe.replica * ROWS, (pipe.replica + 1) * ROWS)
+            loss = pipe.train_step({"ids": x["ids"][rows]}, y[rows])
+            sends = comm.stats.calls["send"]
+            opt.step()
+            opt.zero_grad()
+            if not close(loss, ref_loss.item()):
+                failures.append(f"{where} step {step}: loss {loss} vs torch {ref_loss.item()}")
+            expected = messages_per_step(pipe) + (2 if step < 2 and not pipe.last else 0)  # a layout: size, bytes
+            if sends != expected:
+                failures.append(f"{where} step {step}: stage {pipe.stage} sent {sends} messages, not {expected}")
+        compare(where, pipe, ref, failures, atol=1e-5)
+    return failures
+
+
+def messages_per_step(pipe):
+    """The tensors a stage of several_tensors_model sends in a step, once it
+    knows the layouts: each micro-batch's non-empty output tensors forward,
+    and the grads of the received tensors that carry one backward."""
+    forward = {Embed: 3, Mix: 4, Swap: 4}[type(pipe.layers[-1])] if not pipe.last else 0  # None is not sent
+    backward = {Embed: 0, Mix: 1, Swap: 2, Head: 2}[type(pipe.layers[0])]
+    return pipe.microbatches * (forward + backward)
+
+
+def stage_without_parameters(root):
+    """The default balance of [Linear, ReLU, Identity] on 2 stages is [1, 2]:
+    the last stage holds no parameter. It trains as torch (GPipe and 1F1B),
+    and its state dicts and checkpoints work."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Identity())
+
+    def mse(out, y):
+        return ((out - y) ** 2).mean()
+
+    failures = []
+    for schedule in ("gpipe", "1f1b"):
+        pipe = Pipeline(model(), mse, microbatches=2, schedule=schedule, stages=2)
+        opt = PipelineAdamW(pipe, lr=LR, weight_decay=WD)
+        ref = model()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4 * pipe.replicas, 8, generator=g), torch.randn(4 * pipe.replicas, 8, generator=g)
+            mse(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            rows = slice(pipe.replica * 4, (pipe.replica + 1) * 4)
+            pipe.train_step(x[rows], y[rows])
+            opt.step()
+            opt.zero_grad()
+        compare(f"{schedule}, a stage without parameters", pipe, ref, failures, atol=1e-6)
+        state = pipe.state_dict()
+        if sorted(state) != sorted("module." + k for k in ref.state_dict()):
+            failures.append(f"state_dict keys {sorted(state)}")
+        fresh = Pipeline(model(), mse, microbatches=2, schedule=schedule, stages=2)
+        fresh.load_state_dict(state)
+        trained = FullState(pipe.full_state_dict())
+        compare(f"{schedule}, load_state_dict", fresh, trained, failures, atol=0)
+        path = f"{root}/empty-{schedule}-{dist.get_world_size()}"
+        checkpoint.save(path, pipe, opt, step=3)
+        loaded = Pipeline(model(), mse, microbatches=2, schedule=schedule, stages=2)
+        checkpoint.load(path, loaded, PipelineAdamW(loaded, lr=LR, weight_decay=WD))
+        compare(f"{schedule}, a checkpoint", loaded, trained, failures, atol=0)
+    return failures
+
+
+# ---------------------------------------------------------------- a Hugging Face decoder, cut by layers
+
+def tiny_llama(tied):
+    """Grouped-query attention (4 heads, 2 of keys and values), rotary, 4 layers."""
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=V * 3, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def llama_batch(step, replicas, masked):
+    """input_ids (with an attention mask that leaves out a token of the first row, if masked) and labels."""
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, V * 3, (replicas * ROWS, 7), generator=g)
+    x = {"input_ids": tokens[:, :-1]}
+    if masked:
+        x["attention_mask"] = torch.ones_like(x["input_ids"])
+        x["attention_mask"][0, 2] = 0
+    return x, tokens[:, 1:]
+
+
+def hf_llama(stages):
+    """pipeline_stages(llama, 2) on `stages` stages (× replicas): GPipe and
+    1F1B, a tied and an untied head, against the model in torch: the loss of
+    each of 4 AdamW steps (eps=1) and every parameter after them. The tied
+    run passes an attention mask along the stages."""
+    from tiny_zero.pipeline.stages import pipeline_stages
+    failures = []
+    for schedule in ("gpipe", "1f1b"):
+        for tied in (True, False):
+            model = tiny_llama(tied)
+            pipe = Pipeline(pipeline_stages(model, stages), token_loss, microbatches=2, schedule=schedule,
+                            stages=stages)
+            opt = PipelineAdamW(pipe, lr=LR, eps=1.0, weight_decay=WD)
+            ref = tiny_llama(tied)
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0, weight_decay=WD)
+            where = f"llama {'tied' if tied else 'untied'} {schedule} S={pipe.stages} R={pipe.replicas}"
+            for step in range(4):
+                x, y = llama_batch(step, pipe.replicas, masked=tied)
+                ref_loss = token_loss(ref(**x).logits, y)
+                ref_loss.backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                rows = slice(pipe.replica * ROWS, (pipe.replica + 1) * ROWS)
+                loss = pipe.train_step({k: v[rows] for k, v in x.items()}, y[rows])
+                opt.step()
+                opt.zero_grad()
+                if not close(loss, ref_loss.item()):
+                    failures.append(f"{where} step {step}: loss {loss} vs torch {ref_loss.item()}")
+            state = {k.split(".", 1)[1]: v for k, v in pipe.full_state_dict().items()}  # "1.model.norm.weight"
+            for key, want in ref.state_dict().items():
+                got = state[key]
+                if not torch.allclose(got, want, rtol=LOSS_RTOL, atol=1e-6):
+                    failures.append(f"{where}: {key} differs by {(got - want).abs().max().item():.2e}")
+    return failures

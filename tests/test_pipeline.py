@@ -8,7 +8,9 @@ stage only. torch's training loop: a frozen layer, param groups, a
 scheduler, two train_steps per step, no_sync, no zero_grad. The schedules:
 each stage's actions, and the activations held at once, measured. Mixed
 precision, checkpoints to and from other strategies and world sizes, and
-clear errors on every rank before any collective.
+clear errors on every rank before any collective. Stages that pass tuples and
+dicts of tensors, a stage without parameters, and a Hugging Face Llama cut by
+decoder layers (pipeline_stages), at world 2 and 4.
 
 Three spawned worlds (2, 4, 3: world 4 loads what world 2 saved, world 3
 what world 4 saved) and checks of the schedules in this process.
@@ -63,13 +65,20 @@ def worlds(tmp_path_factory):
         ("grads", "grads_and_state_dicts", ()),
         ("live gpipe", "live_microbatches", ("gpipe", None, 4)),
         ("live 1f1b", "live_microbatches", ("1f1b", None, 4)),
-        ("precision", "mixed_precision", ())])
+        ("precision", "mixed_precision", ()),
+        ("several tensors", "several_tensors", ([("gpipe", 2, [1, 3]), ("1f1b", 2, [3, 1])],)),
+        ("no parameters", "stage_without_parameters", (str(root),)),
+        ("hf llama", "hf_llama", (2,))])
     results[4] = run_checks(4, "pipeline_checks", plan(
         4, root, saves=[("pipe2x2", "pipeline", 2)],
         loads=[("pipe2", "pipeline", 4), ("pipe2", "pipeline", 2), ("pipe2", "fsdp", None)]) + [
         ("loops 2x2", "training_loops", ("1f1b", 2)),
         ("live gpipe", "live_microbatches", ("gpipe", None, 6)),
-        ("live 1f1b", "live_microbatches", ("1f1b", None, 6))])
+        ("live 1f1b", "live_microbatches", ("1f1b", None, 6)),
+        ("several tensors", "several_tensors", ([("gpipe", 4, [1, 1, 1, 1]), ("1f1b", 4, [1, 1, 1, 1]),
+                                                 ("1f1b", 2, [2, 2])],)),
+        ("no parameters", "stage_without_parameters", (str(root),)),
+        ("hf llama", "hf_llama", (2,))])
     results[3] = run_checks(3, "pipeline_checks", plan(
         3, root, loads=[("pipe2x2", "pipeline", 3), ("pipe2x2", "ddp", None)]))
     return results
@@ -108,6 +117,31 @@ def test_torch_training_loop_semantics(worlds, world, check):
 def test_grads_and_state_dicts(worlds):
     problems = failures(worlds[2]["grads"])
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stages_pass_tuples_and_dicts_of_tensors(worlds, world):
+    """A tuple and a dict (ints, a bool, None, a float sent forward only)
+    between stages, a stage without parameters whose output is a transpose,
+    the length changing from step to step: torch's losses and parameters,
+    each layout sent once per shape."""
+    problems = failures(worlds[world]["several tensors"])
+    assert not problems, "\n".join(problems[:30])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_stage_without_parameters_trains_and_saves(worlds, world):
+    problems = failures(worlds[world]["no parameters"])
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_hugging_face_llama_cut_by_layers_trains_as_torch(worlds, world):
+    """pipeline_stages(llama, 2): 2 stages at world 2, 2 stages × 2 replicas
+    at world 4; grouped-query attention, rotary, a tied and an untied head;
+    GPipe and 1F1B."""
+    problems = failures(worlds[world]["hf llama"])
+    assert not problems, "\n".join(problems[:30])
 
 
 def test_mixed_precision_follows_fp32(worlds):
@@ -213,7 +247,8 @@ def test_the_example_gpt_as_a_sequential_is_the_gpt():
 
 def test_the_example_prints_the_single_device_losses():
     """torchrun --nproc_per_node 2 example/pipeline/train.py: two stages, the
-    batch of one device, its losses (rtol 1e-5), GPipe and 1F1B alike."""
+    batch of one device, its losses (rtol 1e-5), GPipe and 1F1B alike; and
+    with --hf, transformers' Llama in two stages, the example Llama's losses."""
     from test_examples import TINY, losses, run_in_process, torchrun
 
     single = losses(run_in_process("single_device", *TINY, "--steps", "4", "--batch-size", "4"))
@@ -222,3 +257,41 @@ def test_the_example_prints_the_single_device_losses():
         out = torchrun("pipeline", *TINY, "--steps", "4", "--batch-size", "4", "--schedule", schedule)
         assert losses(out) == pytest.approx(single, rel=1e-5, abs=0), out
         assert re.search(r"^  stage 1: peak [\d.]+ \w+ \(parameters", out, re.MULTILINE), out
+    # --hf: transformers' Llama of llama-tiny's shape and weights, cut by pipeline_stages
+    llama = ["--model", "llama-tiny", *TINY[2:], "--steps", "3", "--batch-size", "4"]
+    single = losses(run_in_process("single_device", *llama))
+    out = torchrun("pipeline", *llama, "--hf")
+    assert len(single) == 3 and losses(out) == pytest.approx(single, rel=1e-5, abs=0), out
+
+
+def test_pipeline_stages_compute_the_decoder_models_logits():
+    """pipeline_stages of Llama (tied), Qwen2, Mistral (a sliding window
+    shorter than the sequence) and GPT-2 in 1, 2 and 3 stages: the model's
+    logits, with and without an attention mask, and the model's state_dict
+    keys behind each stage's index; a stage count the layers cannot give
+    each stage one of is refused."""
+    import torch
+    import transformers
+    from tiny_zero.pipeline.stages import pipeline_stages
+
+    shape = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    configs = {"llama": transformers.LlamaConfig(**shape, tie_word_embeddings=True),
+               "qwen2": transformers.Qwen2Config(**shape),
+               "mistral": transformers.MistralConfig(**shape, sliding_window=3),
+               "gpt2": transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=3, n_head=4, n_positions=16,
+                                               bos_token_id=0, eos_token_id=0)}
+    ids = torch.randint(0, 32, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, 3] = 0
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        for stages in (1, 2, 3):
+            seq = pipeline_stages(model, stages)
+            assert torch.equal(seq(ids), model(ids).logits), (name, stages)
+            assert torch.equal(seq({"input_ids": ids, "attention_mask": mask}),
+                               model(ids, attention_mask=mask).logits), (name, stages)
+            assert sorted(k.split(".", 1)[1] for k in seq.state_dict()) == sorted(model.state_dict()), name
+        with pytest.raises(ValueError, match=r"stages=4: .* has 3 decoder layers, and each stage runs one at least"):
+            pipeline_stages(model, 4)

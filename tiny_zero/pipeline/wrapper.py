@@ -13,10 +13,12 @@ that several stages hold (a tied embedding and head) is owned by the first of
 them: only there is it stepped and saved; the others keep a copy at the end
 of flat_params, outside what the optimizer steps.
 Collectives:
-- per micro-batch, point to point with the neighbour stages: its activation
-  to the next stage after its forward, the grad of its input to the previous
-  one after its backward. A stage posts what its last action made together
-  with what its next one needs (comm.exchange), and waits only to receive.
+- per micro-batch, point to point with the neighbour stages: the tensors of
+  its output to the next stage after its forward (a tensor, or tuples and
+  dicts of them; their layout first, once per input shape: messages.py), the
+  grads of the received tensors that carry one to the previous stage after
+  its backward. A stage posts what its last action made together with what
+  its next one needs (comm.exchange), and waits only to receive.
 - in the last micro-batch's backward, all_reduce of each bucket of grads
   among the stage's replicas, as soon as it is final (layers.py); at the end,
   the waits and the division by R.
@@ -26,21 +28,19 @@ Collectives:
 - per step: the agreement on it (comm.agree over the world) and one scalar
   all_reduce of the loss.
 """
-from functools import cache
 from itertools import accumulate
 
 import torch
-import torch.nn as nn
 
 from .. import comm
 from ..comm import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs, make_buckets
 from ..distributed import init_distributed
 from ..strategy import ScaleGrad, Wrapper
 from .layers import LAYER_CLASSES
+from .messages import (carries_grad, decode, empty_like_layout, encode, flatten, grad_of, layout_of, on_the_wire,
+                       unflatten)
 from .schedule import FORWARD, SCHEDULES
-
-ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-HEADER = 8  # elements of the message that tells the next stage what it will receive: dtype, dims, shape
+from .stages import stage_sizes
 
 
 class Pipeline(Wrapper):
@@ -69,6 +69,8 @@ class Pipeline(Wrapper):
         self.holders = {p: [s for s in range(stages) if p in held[s]] for _, p in self.named_params}
         self.hold(held[self.stage], bucket_bytes)
         self.syncing = False  # True in the last micro-batch's backward: buckets are sent as they fill
+        # {the shapes of an input micro-batch: the Layout of what this stage sent or received for it}
+        self.sent_layouts, self.received_layouts = {}, {}
 
     def hold(self, mine, bucket_bytes):
         """Materialise this stage's parameters only: a flat buffer as DDP's,
@@ -139,56 +141,77 @@ class Pipeline(Wrapper):
     def micro_batches(self, x, y, what):
         """Check the batch and, for a train step, that no parameter has a grad
         hook (on every rank, before any collective: each has the same x and y,
-        and the same module), agree on the step, cut it into micro-batches."""
-        for name, t in (("x", x), ("y", y)):
-            if t.dim() == 0 or t.shape[0] % self.microbatches:
-                raise ValueError(f"{what}: {name} has {t.shape[0] if t.dim() else 0} rows, which "
-                                 f"microbatches={self.microbatches} does not divide: the micro-batches are equal")
+        and the same module), agree on the step, cut it into micro-batches.
+        x and y: a tensor, or tuples, lists and dicts of them, cut by rows."""
+        xs, ys = self.rows(x, "x", what), self.rows(y, "y", what)
         # a train step: every rank checks every parameter for grad hooks, its stage's or not
         hook_checked = [p for _, p in self.named_params] if torch.is_grad_enabled() else []
         if torch.is_grad_enabled():  # a train step: its backward passes add to the grads
             self.before_backward()
+        shapes = [(t.dtype, tuple(t.shape)) for t in xs[1]]
         self.agree_refusing_hooks(f"this {what}", hook_checked, step=self.steps, grad=int(torch.is_grad_enabled()),
                                   no_sync=int(not self.require_grad_sync),
-                                  shapes=comm.value_hash([tuple(x.shape), tuple(y.shape)]))
-        self.inputs = x.to(self.device).chunk(self.microbatches) if self.first else None
-        self.targets = y.to(self.device).chunk(self.microbatches) if self.last else None
+                                  shapes=comm.value_hash(shapes + [tuple(t.shape) for t in ys[1]]))
+        self.input_key = (torch.is_grad_enabled(), self.microbatches, *shapes)  # the same on every stage
+        self.inputs = self.chunks(*xs) if self.first else None
+        self.targets = self.chunks(*ys) if self.last else None
+
+    def rows(self, value, name, what):
+        """(structure, tensors) of x or y, each tensor's rows divided by the micro-batches."""
+        tensors = []
+        structure = flatten(value, tensors, name)
+        for t in tensors:
+            if t.dim() == 0 or t.shape[0] % self.microbatches:
+                raise ValueError(f"{what}: {name if structure == 0 else 'a tensor of ' + name} has "
+                                 f"{t.shape[0] if t.dim() else 0} rows, which microbatches={self.microbatches} "
+                                 "does not divide: the micro-batches are equal")
+        return structure, tensors
+
+    def chunks(self, structure, tensors):
+        """The micro-batches: each tensor cut by rows, in the same structure."""
+        cut = [t.to(self.device).chunk(self.microbatches) for t in tensors]
+        return [unflatten(structure, [c[m] for c in cut]) for m in range(self.microbatches)]
 
     def forward_step(self, m):
         if self.first:
             self.exchange()
-            x = self.inputs[m]
+            x, inputs = self.inputs[m], []
         else:
-            x = self.receive_activation(m)
+            x, inputs = self.receive_activation()  # inputs: what came in that sends a grad back
         out = x
         for layer in self.layers:
             out = layer(out)
         if self.last:
-            out = self.loss(out, m)
+            loss = self.loss(out, m)
+            outs = [loss] if loss.requires_grad else []  # not where every stage is frozen
         else:
-            self.send_activation(out, m)
+            outs = self.send_activation(out)  # outs: what went out that gets a grad back
         if torch.is_grad_enabled():
-            self.saved[m] = (x, out)  # STRATEGY: kept until this micro-batch's backward
+            self.saved[m] = (inputs, outs)  # STRATEGY: kept until this micro-batch's backward
 
     def backward_step(self, m):
-        x, out = self.saved.pop(m)
+        inputs, outs = self.saved.pop(m)
         if self.last:
             self.exchange()
-            grad = None  # out is this micro-batch's share of the loss
+            grads = None  # outs: this micro-batch's share of the loss
         else:
-            grad = self.receive(torch.empty_like(out), self.rank_of(self.stage + 1))  # STRATEGY: d loss / d out
+            grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in outs]  # contiguous
+            next_stage = self.rank_of(self.stage + 1)
+            self.exchange([(g, next_stage) for g in grads if g.numel()])  # STRATEGY: d loss / d out
         if m == self.microbatches - 1:
             self.syncing = self.require_grad_sync  # the grads are final in this backward
-        if out.requires_grad:  # not where a first stage is all frozen
-            torch.autograd.backward(out, grad)
-        if not self.first:
-            self.outbox.append((x.grad, self.rank_of(self.stage - 1)))  # STRATEGY: d loss / d x, back
+        if outs:
+            torch.autograd.backward(outs, grads)
+        back = on_the_wire([grad_of(x) for x in inputs])
+        self.outbox += [(g, self.rank_of(self.stage - 1)) for g in back]  # STRATEGY: d loss / d inputs, back
 
     def loss(self, out, m):
         """The last stage: this micro-batch's loss, kept for the step's mean;
         its backward starts from loss / M, so the grads are the whole batch's."""
-        if self.loss_scaler is not None and torch.is_grad_enabled():
-            out = ScaleGrad.apply(out, self)  # fp16: grads scaled from where they enter the model
+        if self.loss_scaler is not None and torch.is_grad_enabled():  # fp16: grads scaled from where they enter
+            tensors = []
+            structure = flatten(out, tensors)
+            out = unflatten(structure, [ScaleGrad.apply(t, self) if t.requires_grad else t for t in tensors])
         loss = self.loss_fn(out, self.targets[m])
         self.losses.append(loss.detach())
         return loss / self.microbatches
@@ -204,26 +227,36 @@ class Pipeline(Wrapper):
 
     # ------------------------------------------------------------ point to point
 
-    def send_activation(self, out, m):
-        """Queued, to go with the next action's receive. Before the first,
-        a header: what the next stage must make room for."""
-        if not isinstance(out, torch.Tensor) or out.dtype not in ACTIVATION_DTYPES or out.dim() > HEADER - 2:
-            raise TypeError(f"stage {self.stage} outputs {type(out).__name__} {getattr(out, 'dtype', '')}: a stage "
-                            f"sends one floating-point tensor of at most {HEADER - 2} dims to the next")
-        if m == 0:
-            header = [ACTIVATION_DTYPES.index(out.dtype), out.dim(), *out.shape]
-            self.outbox.append((torch.tensor(header + [0] * (HEADER - len(header)), device=self.device),
-                                self.rank_of(self.stage + 1)))
-        self.outbox.append((out.detach(), self.rank_of(self.stage + 1)))  # STRATEGY: the activation, forward
+    def send_activation(self, out):
+        """Queued, to go with the next action's receive: the tensors of the
+        output, after its layout where the next stage has not had it for
+        inputs of this shape (messages.py). Returns the tensors whose grads
+        come back."""
+        tensors, layout = layout_of(out, f"stage {self.stage}'s output")
+        known, next_stage = self.sent_layouts.get(self.input_key), self.rank_of(self.stage + 1)
+        if known is None:
+            self.sent_layouts[self.input_key] = layout
+            self.outbox += [(t, next_stage) for t in encode(layout, self.device)]
+        elif known != layout:
+            raise ValueError(f"stage {self.stage}'s output changed from {known.tensors} to {layout.tensors} "
+                             "for inputs of the same shapes: the next stage learns an output's shapes once per "
+                             "shape of the input micro-batch, so they must follow from it")
+        self.outbox += [(t, next_stage) for t in on_the_wire(tensors)]  # STRATEGY: the activations, forward
+        return [t for t in tensors if carries_grad(t)]
 
-    def receive_activation(self, m):
-        if m == 0:
-            header = self.receive(torch.empty(HEADER, dtype=torch.int64, device=self.device),
-                                  self.rank_of(self.stage - 1)).tolist()
-            self.input_shape, self.input_dtype = header[2:2 + header[1]], ACTIVATION_DTYPES[header[0]]
-        x = torch.empty(self.input_shape, dtype=self.input_dtype, device=self.device)
-        self.receive(x, self.rank_of(self.stage - 1))  # STRATEGY: the previous stage's output
-        return x.requires_grad_(torch.is_grad_enabled())
+    def receive_activation(self):
+        """The previous stage's output, and the received tensors whose grads go back."""
+        previous = self.rank_of(self.stage - 1)
+        layout = self.received_layouts.get(self.input_key)
+        if layout is None:  # a new shape: its layout comes first
+            size = self.receive(torch.empty(1, dtype=torch.int64, device=self.device), previous)
+            layout = decode(self.receive(torch.empty(int(size), dtype=torch.uint8, device=self.device), previous))
+            self.received_layouts[self.input_key] = layout
+        tensors = empty_like_layout(layout, self.device)
+        self.exchange([(t, previous) for t in tensors if t.numel()])  # STRATEGY: the previous stage's output
+        for t, (_, _, carries) in zip(tensors, layout.tensors):
+            t.requires_grad_(carries)
+        return unflatten(layout.structure, tensors), [t for t in tensors if t.requires_grad]
 
     def receive(self, tensor, src):
         """Receive `tensor` from rank src, posted with what the last action made."""
@@ -313,6 +346,8 @@ class Pipeline(Wrapper):
         full = {}
         for stage in range(self.stages):
             names = [name for name, p in self.named_params if self.holders[p][0] == stage]
+            if not names:
+                continue  # a stage of children without parameters (every rank knows it)
             sizes = [self.shapes[name].numel() for name in names]
             flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
             if stage == self.stage:
@@ -344,43 +379,3 @@ class Pipeline(Wrapper):
     def forward(self, *args, **kwargs):
         raise RuntimeError("a Pipeline runs forward and backward together, micro-batch by micro-batch: "
                            "call pipe.train_step(x, y) or pipe.eval_step(x, y)")
-
-
-def stage_sizes(seq, loss_fn, microbatches, schedule, stages, balance, world):
-    """The number of children in each stage, or a clear error."""
-    if not isinstance(seq, nn.Sequential):
-        raise TypeError(f"Pipeline cuts an nn.Sequential into stages, got {type(seq).__name__}: write the model "
-                        "as nn.Sequential(...), each child taking the previous one's output (as example/model.py's "
-                        "GPTSequential does)")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a function loss_fn(output, target), got {type(loss_fn).__name__}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
-    if not isinstance(stages, int) or stages < 1 or world % stages:
-        raise ValueError(f"stages={stages!r} does not divide the world of {world} ranks (W = stages × replicas)")
-    if len(seq) < stages:
-        raise ValueError(f"the nn.Sequential has {len(seq)} children, fewer than stages={stages}: "
-                         "each stage runs one at least")
-    if balance is None:
-        return balanced([sum(p.numel() for p in child.parameters()) for child in seq], stages)
-    if len(balance) != stages or sum(balance) != len(seq) or min(balance) < 1:
-        raise ValueError(f"balance={list(balance)} must give each of the {stages} stages one child or more, "
-                         f"{len(seq)} in all")
-    return list(balance)
-
-
-def balanced(sizes, stages):
-    """Cut the children (sizes: their parameter counts) into `stages` runs of
-    one or more, the largest run as small as can be; returns the run lengths."""
-    prefix = [0, *accumulate(sizes)]
-
-    @cache
-    def best(k, end):  # (largest run, run lengths) for the first `end` children in k runs
-        if k == 1:
-            return prefix[end], (end,)
-        return min((max(best(k - 1, cut)[0], prefix[end] - prefix[cut]), best(k - 1, cut)[1] + (end - cut,))
-                   for cut in range(k - 1, end))
-
-    return list(best(stages, len(sizes))[1])
