@@ -45,8 +45,7 @@ from . import comm
 from .distributed import init_distributed, local_device
 from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash
 from .materialize import full_value, set_data
-from .module import (CallbackLayer, check_no_grad_hooks, check_supported, expects_backward, has_grad_hook,
-                     in_backward_pass, recorded, swap_layers)
+from .module import CallbackLayer, check_supported, expects_backward, in_backward_pass, recorded, swap_layers
 from .module import layer_classes as module_layer_classes
 from .optim import adamw_update_
 from .optim.adamw import check_group, check_hparams, check_options
@@ -420,11 +419,12 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.buckets.used_in_forward(layer.trained)
         if recorded:
             self.used.append(layer.index)
+            self.buckets.expect(layer.trained)
 
     def backward_started(self):
         """The first layer backward of a backward pass: every rank agrees it
-        runs the same backward (the same step, forward layers, no_sync and
-        grad hooks), before any collective of it; the end of the pass is queued."""
+        runs the same backward (the same step, forward layers and no_sync),
+        before any collective of it; the end of the pass is queued."""
         if self.in_backward:
             return
         if self.loss_scaler is not None and not self.scale_entered:  # before any collective: every rank raises alike
@@ -433,9 +433,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
                                "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
                                "loss from model(...) (or model.module(...))")
         self.before_backward()
-        self.agree_refusing_hooks("this backward pass", self.trainable, wait=False,  # checked before its first collective
-                                  step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
-                                  layers_used_in_forward=sequence_hash(self.used))
+        comm.agree("this backward pass", wait=False,  # checked before its first collective
+                   step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
+                   layers_used_in_forward=sequence_hash(self.used))
         self.in_backward = True
         self.syncing = self.require_grad_sync
         self.used.clear()
@@ -450,22 +450,11 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.remember_assigned_grads()
         self.apply_clip()  # grads kept from before a clip (no zero_grad) add up clipped, as torch's
 
-    def agree_refusing_hooks(self, what, params, wait=True, **values):
-        """comm.agree on `values` and on how many of `params` have a grad hook,
-        which would never run (has_grad_hook). A rank with one waits for the
-        check, then names the parameter (check_no_grad_hooks), rather than the
-        disagreement the other ranks raise."""
-        hooked = [p for p in params if has_grad_hook(p)]
-        try:
-            comm.agree(what, wait=wait or bool(hooked), parameters_with_grad_hooks=len(hooked), **values)
-        finally:
-            for p in hooked:
-                check_no_grad_hooks(p, self.name_of[p])
-
     def backward_done(self):
         comm.where = "the end of the backward pass"
         self.in_backward = False
         self.scale_entered = False
+        self.buckets.add_held()  # through their hooks
         self.settle()
         self.refuse_grads_from_autograd()  # before the collectives: every rank raises alike
         if self.syncing:
@@ -546,6 +535,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             bucket.parts.pop(p, None)
             if set_to_none:
                 self.buckets.got_grad.discard(p)
+                self.buckets.expected.discard(p)
 
     def stepping(self, written):
         """The parameters the optimizer steps now: those whose p.grad is set,
@@ -567,10 +557,50 @@ class Wrapper(WrapperStateDicts, nn.Module):
             if p.grad is not self.shown_grad(p):
                 self.take_assigned_grad(name, p)
             stepping.append(p)
-        comm.agree("the optimizer step", group=self.replica_group, wait=False, step=self.steps,  # before the next collective
-                   defer=self.quiet_until_backward, parameters=parameter_hash(self.param_names(), stepping),
-                   parameters_written_in_place=len(written))
+        missing = self.buckets.missing()  # got a grad on another rank, or none
+        if missing and self.quiet_until_backward:  # the check below waits for the next backward: tell by the values
+            stepping += self.got_elsewhere(missing, stepping, everyone_missed=None)
+            missing = set()
+        spread = comm.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
+                            defer=self.quiet_until_backward,
+                            parameters=parameter_hash(self.param_names(), stepping + list(missing)),
+                            parameters_written_in_place=len(written), grads_missing=comm.Spread(len(missing)))
+        if missing:
+            stepping += self.got_elsewhere(missing, stepping, everyone_missed=spread["grads_missing"][0] > 0)
+        self.buckets.expected.clear()  # the next step expects the grads of forwards after this one
         return stepping
+
+    def got_elsewhere(self, missing, stepping, everyone_missed):
+        """The parameters of `missing` (a forward on every rank used them; no
+        grad came here) whose grad came on another rank: their averages hold
+        it, and they step, as under torch DDP with find_unused_parameters.
+        Where some rank missed none (the lowest count of the step's check),
+        that is all of them; where every rank missed some, the ranks tell each
+        other which they got: the one collective this costs, and only then.
+        ddp, whose step's check is not waited for (everyone_missed None),
+        tells by the averaged grads, which it holds whole: zero where no rank
+        had a grad. (Where the ranks that had one all had exact zeros, they
+        step it and this rank does not: the step's check then fails.)"""
+        if everyone_missed is None:
+            got = [p for p in missing if self.averaged_grad(p).any()]  # a host read, where a grad is missing only
+        elif everyone_missed:
+            names = self.param_names()
+            candidates = sorted(stepping + list(missing), key=names.get)  # the same on every rank (agreed)
+            flags = torch.tensor([float(p not in missing) for p in candidates], device=self.device)
+            comm.all_reduce(flags, group=self.replica_group)
+            got = [p for p, n in zip(candidates, flags.tolist()) if p in missing and n > 0]
+        else:
+            got = list(missing)
+        for p in got:
+            self.buckets.got_grad.add(p)
+            p.grad = self.shown_grad(p)
+            self.showing.add(p)
+        return got
+
+    def averaged_grad(self, p):
+        """p's averaged grad, where this rank holds it whole (one piece)."""
+        piece = next(piece for piece in self.all_pieces() if piece.name == self.name_of[p])
+        return self.grads[piece.tensor][piece.offset:piece.offset + piece.hi - piece.lo]
 
     def take_assigned_grad(self, name, p):
         """p.grad was replaced by another tensor: copy it in where the rank holds

@@ -137,20 +137,16 @@ class Pipeline(Wrapper):
         self.sending = []
 
     def micro_batches(self, x, y, what):
-        """Check the batch and, for a train step, that no parameter has a grad
-        hook (on every rank, before any collective: each has the same x and y,
-        and the same module), agree on the step, cut it into micro-batches."""
+        """Check the batch (on every rank, before any collective: each has the
+        same x and y), agree on the step, cut it into micro-batches."""
         for name, t in (("x", x), ("y", y)):
             if t.dim() == 0 or t.shape[0] % self.microbatches:
                 raise ValueError(f"{what}: {name} has {t.shape[0] if t.dim() else 0} rows, which "
                                  f"microbatches={self.microbatches} does not divide: the micro-batches are equal")
-        # a train step: every rank checks every parameter for grad hooks, its stage's or not
-        hook_checked = [p for _, p in self.named_params] if torch.is_grad_enabled() else []
         if torch.is_grad_enabled():  # a train step: its backward passes add to the grads
             self.before_backward()
-        self.agree_refusing_hooks(f"this {what}", hook_checked, step=self.steps, grad=int(torch.is_grad_enabled()),
-                                  no_sync=int(not self.require_grad_sync),
-                                  shapes=comm.value_hash([tuple(x.shape), tuple(y.shape)]))
+        comm.agree(f"this {what}", step=self.steps, grad=int(torch.is_grad_enabled()),
+                   no_sync=int(not self.require_grad_sync), shapes=comm.value_hash([tuple(x.shape), tuple(y.shape)]))
         self.inputs = x.to(self.device).chunk(self.microbatches) if self.first else None
         self.targets = y.to(self.device).chunk(self.microbatches) if self.last else None
 
@@ -181,6 +177,7 @@ class Pipeline(Wrapper):
             self.syncing = self.require_grad_sync  # the grads are final in this backward
         if out.requires_grad:  # not where a first stage is all frozen
             torch.autograd.backward(out, grad)
+        self.buckets.add_held()  # grad hooks run once per micro-batch's backward, as in torch
         if not self.first:
             self.outbox.append((x.grad, self.rank_of(self.stage - 1)))  # STRATEGY: d loss / d x, back
 
@@ -247,8 +244,7 @@ class Pipeline(Wrapper):
 
     def backward_started(self):
         """Nothing per micro-batch: the stages run different layers at
-        different times, so they agree (and check for grad hooks) once per
-        step, in micro_batches()."""
+        different times, so they agree once per step, in micro_batches()."""
 
     @torch.no_grad()
     def all_reduce(self, bucket):
