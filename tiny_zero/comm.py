@@ -513,29 +513,45 @@ class Buckets:
         if bucket is None:
             raise RuntimeError("a grad came for a parameter that was frozen (requires_grad=False) when the model "
                                "was wrapped: tiny_zero reads requires_grad once, when wrapping; set it first")
+        left = self.use_done(param)
+        if has_grad_hook(param):
+            held = self.held.get(param)
+            self.held[param] = grad if held is None else held.add_(grad)
+            if left > 1:  # more contributions to come
+                return []
+            self.take_held(param)
+        else:
+            self.put(bucket, param, grad)
+        return self.ready() if send else []
+
+    def use_done(self, param):
+        """One use of param has had its backward (or skipped it): returns the uses pending before."""
         left = self.pending[param]
         if left > 0:
             self.pending[param] = left - 1
             if left == 1:
-                self.waiting[bucket] -= 1
-        if has_grad_hook(param):
-            held = self.held.pop(param, None)
-            grad = grad if held is None else held.add_(grad)
-            if left > 1:  # more contributions to come
-                self.held[param] = grad
-                return []
-            run_grad_hooks(param, grad, lambda g: self.put(bucket, param, g))
-        else:
-            self.put(bucket, param, grad)
+                self.waiting[self.of[param]] -= 1
+        return left
+
+    def skip(self, params, send=True):
+        """One use of each of `params` whose backward did not come on this
+        rank (zero3, fsdp: Wrapper.skip_to): counted done, with no grad;
+        returns the buckets that may be sent now, as add."""
+        for param in params:
+            if self.use_done(param) == 1 and param in self.held:  # its last use: what came goes in
+                self.take_held(param)
         return self.ready() if send else []
 
     def add_held(self):
         """The end of a backward pass: the held grads whose last contribution
         did not come (a use whose output reached no loss) go in now."""
-        for param, grad in list(self.held.items()):
-            del self.held[param]
-            bucket = self.of[param]
-            run_grad_hooks(param, grad, lambda g: self.put(bucket, param, g))
+        for param in list(self.held):
+            self.take_held(param)
+
+    def take_held(self, param):
+        """A held grad, summed, goes in through param's hooks."""
+        bucket = self.of[param]
+        run_grad_hooks(param, self.held.pop(param), lambda grad: self.put(bucket, param, grad))
 
     def put(self, bucket, param, grad):
         """Add `grad` into param's place; returns what this rank holds there now."""

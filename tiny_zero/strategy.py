@@ -96,6 +96,7 @@ class StrategyLayer:
                                "as torch DDP does; add the losses and call backward once, or run the forward again")
         ctx.backward_ran = True
         self.wrapper.backward_started()
+        self.wrapper.skip_to(self)
         return super().backward_callback(ctx, grad_out)
 
     def _apply(self, fn, recurse=True):
@@ -184,6 +185,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.nothing = None  # the shared zero of released(), made at its first use
         self.released_views = {}  # parameter -> its released() view of that zero, made once
         self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
+        self.order = None  # zero3, fsdp: the GatherOrder of their layers
         self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
         self.showing = set()  # the parameters whose p.grad backward_done set, until zero_grad
         self.assigned = {}  # parameter -> (its p.grad, version) set by the user, as a backward began
@@ -420,6 +422,27 @@ class Wrapper(WrapperStateDicts, nn.Module):
         if recorded:
             self.used.append(layer.index)
             self.buckets.expect(layer.trained)
+
+    def skip_to(self, layer):
+        """zero3, fsdp: `layer`'s backward begins where the recorded order
+        expected others' first: their output reached no loss on this rank (a
+        head in some ranks' loss only). Do what their backward sends on the
+        ranks where it ran: gather, free, and send their buckets once their
+        uses are counted done (with zeros where no grad came)."""
+        order = self.order
+        if order is None or not order.backward:  # not after a layer's backward of this pass
+            return
+        skipped = order.next_layer()
+        while skipped is not None and skipped is not layer and layer in order.order[:order.position - 1]:
+            self.unshard(skipped, backward=True)
+            for bucket in self.buckets.skip(skipped.trained, send=self.require_grad_sync):
+                self.send(bucket)
+            self.reshard(skipped)
+            skipped = order.next_layer()
+
+    def send(self, bucket):
+        """zero3, fsdp: the collective of a bucket whose grads are final, as their layers send it."""
+        raise NotImplementedError
 
     def backward_started(self):
         """The first layer backward of a backward pass: every rank agrees it
