@@ -131,6 +131,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
     layer_classes = None  # {torch layer class: this strategy's layer class}, from layer_classes(<Name>Layer)
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
     module_values_whole = True  # the module's parameters hold their whole values between steps (False: released, sliced)
+    send = None  # zero3, fsdp: the collective of a bucket whose grads are final, for skip_to
     # True: nothing is sent from a step to the next backward (ddp): the step's
     # agreement goes out with that backward's, one round trip for both
     quiet_until_backward = False
@@ -439,10 +440,6 @@ class Wrapper(WrapperStateDicts, nn.Module):
                 self.send(bucket)
             self.reshard(skipped)
             skipped = order.next_layer()
-
-    def send(self, bucket):
-        """zero3, fsdp: the collective of a bucket whose grads are final, as their layers send it."""
-        raise NotImplementedError
 
     def backward_started(self):
         """The first layer backward of a backward pass: every rank agrees it
