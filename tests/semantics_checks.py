@@ -491,23 +491,28 @@ def grad_hooks(name):
 
 
 class AuxNet(LoopNet):
-    """LoopNet with an auxiliary head that runs on every rank, and whose loss
-    is added where `aux_loss` is set (as for the batches that have an image)."""
+    """LoopNet with two auxiliary heads that run on every rank, and whose
+    losses are added where named in `aux_losses` (as for the batches that
+    have an image, or a caption)."""
 
     def __init__(self):
         super().__init__()
         self.aux = nn.Linear(WIDTH, VOCAB)
-        self.aux_loss = True
+        self.aux2 = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.aux_losses = ()
 
     def forward(self, idx, targets):
         h = self.emb(idx)
         h = h + self.fc2(torch.tanh(self.fc1(self.ln(h))))
-        aux = self.aux(h)
-        loss = F.cross_entropy(self.head(h).view(-1, VOCAB), targets.reshape(-1))
-        return loss + F.cross_entropy(aux.view(-1, VOCAB), targets.reshape(-1)) if self.aux_loss else loss
+        outs = {"aux": self.aux(h), "aux2": self.aux2(h), "head": self.head(h)}
+        return sum(F.cross_entropy(outs[n].view(-1, VOCAB), targets.reshape(-1)) for n in ("head", *self.aux_losses))
 
 
-AUX_STEPS = ({0}, set(), {0, 1}, {1})  # the ranks whose loss has the auxiliary head's, step by step
+# step by step, the auxiliary heads in rank 0's loss and in rank 1's: one rank
+# only, none (every rank misses the same grads), both, each its own (every
+# rank misses some, not the same), and both on one rank
+AUX_STEPS = ((("aux",), ()), ((), ()), (("aux", "aux2"), ("aux", "aux2")), (("aux",), ("aux2",)),
+             ((), ("aux", "aux2")))
 
 
 def head_on_some_ranks(name):
@@ -526,9 +531,9 @@ def head_on_some_ranks(name):
     torch.manual_seed(0)
     model = tiny_zero.STRATEGIES[name][0](AuxNet(), **({} if name == "fsdp" else {"bucket_bytes": 200}))
     opt = tiny_zero.STRATEGIES[name][1](model, lr=LR, eps=1.0, weight_decay=WD)
-    for step, ranks in enumerate(AUX_STEPS):
+    for step, losses in enumerate(AUX_STEPS):
         for m, o in ((ref, ref_opt), (model, opt)):
-            m.module.aux_loss = dist.get_rank() in ranks
+            m.module.aux_losses = losses[dist.get_rank()]
             m(*my_rows(global_batch(step))).backward()
             o.step()
         got = {n: p.grad is None for n, p in model.module.named_parameters()}

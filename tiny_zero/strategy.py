@@ -584,25 +584,30 @@ class Wrapper(WrapperStateDicts, nn.Module):
         spread = comm.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
                             defer=self.quiet_until_backward,
                             parameters=parameter_hash(self.param_names(), stepping + list(missing)),
-                            parameters_written_in_place=len(written), grads_missing=comm.Spread(len(missing)))
+                            parameters_written_in_place=len(written), grads_missing=comm.Spread(len(missing)),
+                            grads_missing_named=comm.Spread(parameter_hash(self.param_names(), missing)))
         if missing:
-            stepping += self.got_elsewhere(missing, stepping, everyone_missed=spread["grads_missing"][0] > 0)
+            (fewest, _), (low, high) = spread["grads_missing"], spread["grads_missing_named"]
+            stepping += self.got_elsewhere(missing, stepping, everyone_missed=fewest > 0, all_alike=low == high)
         self.buckets.expected.clear()  # the next step expects the grads of forwards after this one
         return stepping
 
-    def got_elsewhere(self, missing, stepping, everyone_missed):
+    def got_elsewhere(self, missing, stepping, everyone_missed, all_alike=False):
         """The parameters of `missing` (a forward on every rank used them; no
         grad came here) whose grad came on another rank: their averages hold
         it, and they step, as under torch DDP with find_unused_parameters.
         Where some rank missed none (the lowest count of the step's check),
-        that is all of them; where every rank missed some, the ranks tell each
-        other which they got: the one collective this costs, and only then.
+        that is all of them; where every rank missed the same ones (a layer
+        whose output no loss reads), none; else the ranks tell each other
+        which they got: the one collective this costs, and only then.
         ddp, whose step's check is not waited for (everyone_missed None),
         tells by the averaged grads, which it holds whole: zero where no rank
         had a grad. (Where the ranks that had one all had exact zeros, they
         step it and this rank does not: the step's check then fails.)"""
         if everyone_missed is None:
             got = [p for p in missing if self.averaged_grad(p).any()]  # a host read, where a grad is missing only
+        elif everyone_missed and all_alike:
+            got = []
         elif everyone_missed:
             names = self.param_names()
             candidates = sorted(stepping + list(missing), key=names.get)  # the same on every rank (agreed)
