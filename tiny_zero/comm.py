@@ -473,7 +473,7 @@ class Buckets:
                 b.grads = b.range(flat)
                 self.slots.update((p, b.own_view(b.grads, p)) for p in b.params)
         self.got_grad = set()  # parameters that got a grad since clear()
-        self.expected = set()  # parameters used by forwards recorded for backward, since clear() or forget_expected()
+        self.expected = set()  # parameters used by forwards recorded for backward, since clear() or the last step
         self.pending = defaultdict(int)  # parameter -> uses whose backward has not run yet
         self.waiting = {b: 0 for b in buckets}  # bucket -> parameters with pending uses
         self.held = {}  # parameter with grad hooks -> the sum of its contributions of this pass so far
