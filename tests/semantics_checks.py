@@ -2,6 +2,7 @@
 on every strategy, against single-process torch (nn layers, torch.optim.AdamW,
 the concatenated batch). Each returns a list of failures."""
 from contextlib import nullcontext
+from itertools import groupby
 
 import torch
 import torch.distributed as dist
@@ -400,24 +401,150 @@ def requires_grad_changed_after_wrapping(name):
     return failures
 
 
-def grad_hooks_refused(name):
-    """A grad hook on a parameter (autograd would run it; tiny_zero's layers
-    deliver grads themselves) is refused by the first layer backward of a
-    pass with the way out, on every rank, before any collective of it."""
-    failures = []
-    for hook in ("register_hook", "register_post_accumulate_grad_hook"):
-        model, opt = make_tiny(name)
-        getattr(model.module.fc1.weight, hook)(lambda arg: None)
-        failures += refused(lambda: run_loop(model, opt, "plain", 0, True), "fc1.weight has a grad hook",
-                            f"{name}: a {hook} hook")
-    # on rank 0 only: rank 0 names the hook, the others learn of it from the
-    # backward's agreement, at once (not at the collectives' timeout)
-    model, opt = make_tiny(name)
-    if dist.get_rank() == 0:
-        model.module.fc1.weight.register_hook(lambda grad: grad)
-    expected = "fc1.weight has a grad hook" if dist.get_rank() == 0 else "parameters_with_grad_hooks from 0 to 1"
-    return failures + refused(lambda: run_loop(model, opt, "plain", 0, True), expected,
-                              f"{name}: a hook on rank 0 only")
+CLAMP = 0.02  # what the grad hooks clip each local grad to: most elements of fc1.weight's and emb.weight's exceed it
+
+
+def hooked(module, seen):
+    """A grad hook that clips this rank's grad (not linear: the average of
+    the clipped grads is not the clipped average) on every parameter, and a
+    post-accumulate hook that records, per backward, each p.grad it sees."""
+    for n, p in module.named_parameters():
+        if p.requires_grad:
+            p.register_hook(lambda grad: grad.clamp(-CLAMP, CLAMP))
+            p.register_post_accumulate_grad_hook(lambda p, n=n: seen.append((n, p.grad.detach().clone())))
+
+
+def torch_ddp(seen):
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(0)
+    module = LoopNet()
+    hooked(module, seen)
+    model = DistributedDataParallel(module, find_unused_parameters=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1.0, weight_decay=WD)
+
+
+def tiny_hooked(name, seen):
+    model, opt = make_tiny(name, groups=False)
+    hooked(model.module, seen)
+    return model, opt
+
+
+def per_step(seen):
+    """The post-accumulate hooks' calls of each step, by parameter name (a
+    name's calls in the order made)."""
+    steps = [list(calls) for is_step, calls in groupby(seen, key=lambda call: call[0] == "step") if not is_step]
+    return [sorted(calls, key=lambda call: call[0]) for calls in steps]
+
+
+def grad_hooks(name):
+    """p.register_hook and p.register_post_accumulate_grad_hook run as under
+    torch DDP: the first once per backward with this rank's grad of that
+    backward (a tied weight's two uses summed first), and what it returns is
+    what is averaged; the second once per backward, with p.grad showing this
+    rank's grad. Parameters after three steps (two backward passes in the
+    last, the first inside no_sync) and every p.grad a post-accumulate hook
+    saw equal torch DDP's. torch's MemTracker, which hooks every parameter,
+    runs a step of the wrapped model and reports its peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    failures, where = [], f"{name} world {dist.get_world_size()}"
+    runs = []
+    for make in (torch_ddp, lambda seen: tiny_hooked(name, seen)):
+        seen = []
+        model, opt = make(seen)
+        for step, backwards in enumerate((1, 1, 2)):
+            model.module.use_sometimes = step != 1
+            for micro in range(backwards):
+                with model.no_sync() if micro < backwards - 1 else nullcontext():
+                    model(*my_rows(global_batch(step, micro))).backward()
+            seen.append(("step", None))
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, per_step(seen)))
+    (ref, ref_seen), (model, seen) = runs
+    ref_state = {k.removeprefix("module."): v for k, v in ref.state_dict().items()}
+    for key, value in model.full_state_dict().items():
+        if not torch.allclose(value, ref_state[key], rtol=RTOL, atol=ATOL):
+            failures.append(f"{where}: {key} differs from torch DDP's by {(value - ref_state[key]).abs().max():.2e}")
+    for mine, torchs in zip(seen, ref_seen, strict=True):
+        if [n for n, _ in mine] != [n for n, _ in torchs]:
+            failures.append(f"{where}: post-accumulate hooks ran for {[n for n, _ in mine]}, under torch DDP for "
+                            f"{[n for n, _ in torchs]}")
+            continue
+        failures += [f"{where}: a post-accumulate hook saw p.grad of {n} differ from torch DDP's"
+                     for (n, g), (_, want) in zip(mine, torchs) if not torch.allclose(g, want, rtol=RTOL, atol=ATOL)]
+    torch.manual_seed(0)
+    module = LoopNet()
+    module.frozen.requires_grad_(True)  # MemTracker hooks every parameter: torch refuses a hook on a frozen one
+    model = tiny_zero.STRATEGIES[name][0](module)
+    opt = tiny_zero.STRATEGIES[name][1](model, lr=LR)
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        model(*my_rows(global_batch(0))).backward()
+        opt.step()
+        opt.zero_grad()
+    peak = tracker.get_tracker_snapshot("peak")
+    if not peak or min(snapshot["Total"] for snapshot in peak.values()) <= 0:
+        failures.append(f"{where}: MemTracker reported no peak: {peak}")
+    return failures
+
+
+class AuxNet(LoopNet):
+    """LoopNet with two auxiliary heads that run on every rank, and whose
+    losses are added where named in `aux_losses` (as for the batches that
+    have an image, or a caption)."""
+
+    def __init__(self):
+        super().__init__()
+        self.aux = nn.Linear(WIDTH, VOCAB)
+        self.aux2 = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.aux_losses = ()
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        h = h + self.fc2(torch.tanh(self.fc1(self.ln(h))))
+        outs = {"aux": self.aux(h), "aux2": self.aux2(h), "head": self.head(h)}
+        return sum(F.cross_entropy(outs[n].view(-1, VOCAB), targets.reshape(-1)) for n in ("head", *self.aux_losses))
+
+
+# step by step, the auxiliary heads in rank 0's loss and in rank 1's: one rank
+# only, none (every rank misses the same grads), both, each its own (every
+# rank misses some, not the same), and both on one rank
+AUX_STEPS = ((("aux",), ()), ((), ()), (("aux", "aux2"), ("aux", "aux2")), (("aux",), ("aux2",)),
+             ((), ("aux", "aux2")))
+
+
+def head_on_some_ranks(name):
+    """A head whose forward runs on every rank and whose output reaches the
+    loss on some ranks only trains as under torch DDP with
+    find_unused_parameters=True: a rank without its grad sends zeros, the
+    parameter is averaged and stepped on every rank when some rank had a
+    grad, and not stepped (p.grad None) when none had. Parameters and which
+    p.grad is None after each step equal torch DDP's."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    failures, where = [], f"{name} world {dist.get_world_size()}"
+    torch.manual_seed(0)
+    ref = DistributedDataParallel(AuxNet(), find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0, weight_decay=WD)
+    torch.manual_seed(0)
+    model = tiny_zero.STRATEGIES[name][0](AuxNet(), **({} if name == "fsdp" else {"bucket_bytes": 200}))
+    opt = tiny_zero.STRATEGIES[name][1](model, lr=LR, eps=1.0, weight_decay=WD)
+    for step, losses in enumerate(AUX_STEPS):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m.module.aux_losses = losses[dist.get_rank()]
+            m(*my_rows(global_batch(step))).backward()
+            o.step()
+        got = {n: p.grad is None for n, p in model.module.named_parameters()}
+        want = {n: p.grad is None for n, p in ref.module.named_parameters()}
+        if got != want:
+            failures.append(f"{where} step {step}: p.grad None for {sorted(n for n in got if got[n])}, under torch "
+                            f"DDP for {sorted(n for n in want if want[n])}")
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        failures += differs_from_torch(f"{where} step {step}", model, ref.module)
+    return failures
 
 
 def torch_options_refused(name):

@@ -35,10 +35,6 @@ ERRORS = {
     "unknown schedule": r"schedule must be one of \['1f1b', 'gpipe'\], got 'zb'",
     "batch not divisible": r"train_step: x has 3 rows, which microbatches=4 does not divide",
     "eval batch not divisible": r"eval_step: x has 2 rows, which microbatches=4 does not divide",
-    "grad hook": r"0\.wte\.weight has a grad hook .* would never run",
-    # rank 0 names its hook; the others learn of it from the step's agreement
-    "grad hook on rank 0": (r"0\.wte\.weight has a grad hook .* would never run",
-                            r"ranks disagree on this train_step: parameters_with_grad_hooks from 0 to 1"),
 }
 
 

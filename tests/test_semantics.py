@@ -7,8 +7,9 @@ eps=1 (the update is then about lr·g: any wrong average shows); two backward
 passes without no_sync, and a forgotten zero_grad, accumulate as torch does.
 At world 2: add_param_group, zero_grad(set_to_none=False), state dicts of the
 model and the optimizer, p.grad and torch's clip_grad_norm_, fp16 with a plain
-loss.backward(), autocast and torch.compile, a grad hook on a parameter
-refused, torch's amsgrad and maximize refused, model.module.state_dict() and
+loss.backward(), autocast and torch.compile, grad hooks on the parameters and torch's
+MemTracker as under torch DDP, a head whose output reaches the loss on
+some ranks only as under torch DDP with find_unused_parameters, torch's amsgrad and maximize refused, model.module.state_dict() and
 load_state_dict(), a second backward through one forward refused, p.grad set
 to None outside zero_grad(), torch.autograd.grad and create_graph refused,
 evaluation under no_grad (on rank 0 alone too), a parameter used outside its
@@ -40,7 +41,8 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("autocast_compile", "each", ("autocast_and_compile", ALL)),
           ("agreements", "each", ("agreements_per_step", ALL)),
           ("requires_grad_changed", "each", ("requires_grad_changed_after_wrapping", ALL)),
-          ("grad_hooks", "each", ("grad_hooks_refused", ALL)),
+          ("grad_hooks", "each", ("grad_hooks", ALL)),
+          ("head_on_some_ranks", "each", ("head_on_some_ranks", ALL)),
           ("torch_options", "each", ("torch_options_refused", ALL)),
           ("module_state_dicts", "each", ("module_state_dicts", ALL)),
           ("second_backward", "each", ("second_backward_refused", ALL)),

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .module import has_grad_hook, run_grad_hooks
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # every strategy's default bucket_bytes, as torch DDP's
 
 timeout = timedelta(minutes=10)
@@ -230,18 +232,27 @@ def agree(what, group=None, wait=True, defer=False, **values):
     next agree that waits), so its all-reduce runs while the rank computes.
     defer=True: not sent on its own; its values go out with this rank's next
     agree on the same group, or before its next collective if that comes
-    first: one all-reduce for two checks."""
+    first: one all-reduce for two checks. A value given as Spread(n) may
+    differ: with wait=True agree returns {its name: (lowest, highest)}."""
+    spread = {name: (v, v) for name, v in values.items() if isinstance(v, Spread)}
     if not _has_peers() or (group is not None and dist.get_world_size(group) < 2):
-        return
+        return spread
     if defer:
         _deferred.append((group, what, values))
-        return
+        return None
     checks = [(what, values)] + _take_deferred(group)  # one all-reduce for this check and those waiting for it
     if wait:  # the earlier ones first: should one of them raise, nothing of this one is in flight
         settle_agreements()
     _send(group, checks)
     if wait:
         settle_agreements()
+        return {name: _spreads.pop(name) for name in spread}
+    return None
+
+
+class Spread(int):
+    """A value of agree() in which the ranks may differ: not checked; an
+    agree() that waits returns its lowest and highest over the ranks."""
 
 
 def value_hash(value):
@@ -251,6 +262,7 @@ def value_hash(value):
 
 _deferred = []  # agreements not sent yet: (group, what, values)
 _unsettled = []  # agreements sent and not yet checked: (pending, [(what, values), ...], result)
+_spreads = {}  # the name of a Spread value settled -> (lowest, highest) over the ranks
 
 
 def _take_deferred(group):
@@ -310,7 +322,10 @@ def settle_agreements():
         for what, values in checks:
             ranges = []
             for name, value in values.items():
-                if i <= direct and low[i] != high[i]:
+                if isinstance(value, Spread):
+                    _spreads[name] = (low[i], high[i])
+                    low[i] = high[i]  # differing is allowed
+                elif i <= direct and low[i] != high[i]:
                     ranges.append(f"{name} from {low[i]} to {high[i]} (this rank: {value})")
                 i += 1
             if ranges:
@@ -360,6 +375,7 @@ class Bucket:
     parts   {parameter: its grad}: without a flat buffer, the grads made so far,
             each as backward made it, flattened into grads when the bucket is sent
     fresh   a grad was added since the bucket was last handed out to be sent
+    used    a forward recorded for backward used one of its parameters since then
     handle  the strategy's collective in flight for this bucket (a Pending)
     """
 
@@ -376,6 +392,7 @@ class Bucket:
         self.grads = None
         self.parts = {}
         self.fresh = False
+        self.used = False  # a forward that backward follows used one of its parameters since it was last sent
         self.handle = None  # the strategy's collective in flight for this bucket
 
     def view(self, flat, p):
@@ -462,8 +479,10 @@ class Buckets:
                 b.grads = b.range(flat)
                 self.slots.update((p, b.own_view(b.grads, p)) for p in b.params)
         self.got_grad = set()  # parameters that got a grad since clear()
+        self.expected = set()  # parameters used by forwards recorded for backward, since clear() or the last step
         self.pending = defaultdict(int)  # parameter -> uses whose backward has not run yet
         self.waiting = {b: 0 for b in buckets}  # bucket -> parameters with pending uses
+        self.held = {}  # parameter with grad hooks -> the sum of its contributions of this pass so far
         self.next = 0  # index of the next bucket to send
 
     def __iter__(self):
@@ -476,13 +495,72 @@ class Buckets:
                     self.waiting[self.of[p]] += 1
                 self.pending[p] += 1
 
+    def expect(self, params):
+        """Parameters that a forward recorded for backward used, on every rank
+        (the ranks agree on those layers): their buckets are sent in the next
+        backward outside no_sync on every rank, with zeros where no grad came
+        (the layer's output reached this rank's loss, not another's)."""
+        for p in params:
+            self.of[p].used = True
+            self.expected.add(p)
+
+    def missing(self):
+        """The expected parameters that got no grad on this rank."""
+        return self.expected - self.got_grad
+
     def add(self, param, grad, send=True):
         """Add one grad contribution into param's bucket; return the buckets
-        that may be sent now (none when `send` is False: under no_sync)."""
+        that may be sent now (none when `send` is False: under no_sync). A
+        parameter with grad hooks: its contributions are held and summed, and
+        the sum goes in through its hooks after the last one (as autograd
+        sums a leaf's grads before it runs them), or at the end of the
+        backward pass (add_held)."""
         bucket = self.of.get(param)
         if bucket is None:
             raise RuntimeError("a grad came for a parameter that was frozen (requires_grad=False) when the model "
                                "was wrapped: tiny_zero reads requires_grad once, when wrapping; set it first")
+        left = self.use_done(param)
+        if has_grad_hook(param):
+            held = self.held.get(param)
+            self.held[param] = grad if held is None else held.add_(grad)
+            if left > 1:  # more contributions to come
+                return []
+            self.take_held(param)
+        else:
+            self.put(bucket, param, grad)
+        return self.ready() if send else []
+
+    def use_done(self, param):
+        """One use of param has had its backward (or skipped it): returns the uses pending before."""
+        left = self.pending[param]
+        if left > 0:
+            self.pending[param] = left - 1
+            if left == 1:
+                self.waiting[self.of[param]] -= 1
+        return left
+
+    def skip(self, params, send=True):
+        """One use of each of `params` whose backward did not come on this
+        rank (zero3, fsdp: Wrapper.skip_to): counted done, with no grad;
+        returns the buckets that may be sent now, as add."""
+        for param in params:
+            if self.use_done(param) == 1 and param in self.held:  # its last use: what came goes in
+                self.take_held(param)
+        return self.ready() if send else []
+
+    def add_held(self):
+        """The end of a backward pass: the held grads whose last contribution
+        did not come (a use whose output reached no loss) go in now."""
+        for param in list(self.held):
+            self.take_held(param)
+
+    def take_held(self, param):
+        """A held grad, summed, goes in through param's hooks."""
+        bucket = self.of[param]
+        run_grad_hooks(param, self.held.pop(param), lambda grad: self.put(bucket, param, grad))
+
+    def put(self, bucket, param, grad):
+        """Add `grad` into param's place; returns what this rank holds there now."""
         if self.flat is None:
             self.keep_part(bucket, param, grad)
         else:
@@ -493,12 +571,7 @@ class Buckets:
                 slot.copy_(grad)
         self.got_grad.add(param)
         bucket.fresh = True
-        left = self.pending[param]
-        if left > 0:
-            self.pending[param] = left - 1
-            if left == 1:
-                self.waiting[bucket] -= 1
-        return self.ready() if send else []
+        return bucket.parts[param] if self.flat is None else self.slots[param]
 
     def ready(self):
         out = []
@@ -522,14 +595,16 @@ class Buckets:
             part.add_(grad)
 
     def _to_send(self, buckets):
-        """Those with a grad since they were last sent: a bucket with none is
-        skipped, alike on every rank (every rank ran the same layers)."""
-        fresh = [b for b in buckets if b.fresh]
-        for b in fresh:
-            b.fresh = False
+        """Those used by a recorded forward or given a grad since they were
+        last sent: a bucket with neither is skipped, alike on every rank
+        (every rank ran the same layers). A used bucket goes out where no grad
+        came, so every rank sends the same buckets."""
+        sent = [b for b in buckets if b.fresh or b.used]
+        for b in sent:
+            b.fresh = b.used = False
             if self.flat is None:
                 self.flatten(b)
-        return fresh
+        return sent
 
     def flatten(self, bucket):
         """A bucket about to be sent: its parts, into one flat buffer (zeros
@@ -552,12 +627,14 @@ class Buckets:
         self.next = 0
         self.pending.clear()
         self.waiting = dict.fromkeys(self.list, 0)
+        self.held.clear()
 
     def clear(self, keep_got_grad=False):
         """zero_grad: the local grads go (zeroed where they persist); with
         keep_got_grad (zero_grad(set_to_none=False)) parameters keep having a grad."""
         if not keep_got_grad:
             self.got_grad.clear()
+            self.expected.clear()
         for b in self.list:
             b.fresh = False
             if self.flat is None:

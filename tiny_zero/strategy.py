@@ -46,8 +46,7 @@ from . import comm
 from .distributed import init_distributed, local_device
 from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash
 from .materialize import full_value, set_data
-from .module import (CallbackLayer, check_no_grad_hooks, check_supported, expects_backward, has_grad_hook,
-                     in_backward_pass, recorded, swap_layers)
+from .module import CallbackLayer, check_supported, expects_backward, in_backward_pass, recorded, swap_layers
 from .module import layer_classes as module_layer_classes
 from .optim import adamw_update_
 from .optim.adamw import check_group, check_hparams, check_options
@@ -98,6 +97,7 @@ class StrategyLayer:
                                "as torch DDP does; add the losses and call backward once, or run the forward again")
         ctx.backward_ran = True
         self.wrapper.backward_started()
+        self.wrapper.skip_to(self)
         return super().backward_callback(ctx, grad_out)
 
     def _apply(self, fn, recurse=True):
@@ -132,6 +132,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
     layer_classes = None  # {torch layer class: this strategy's layer class}, from layer_classes(<Name>Layer)
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
     module_values_whole = True  # the module's parameters hold their whole values between steps (False: released, sliced)
+    send = None  # zero3, fsdp: the collective of a bucket whose grads are final, for skip_to
     # True: nothing is sent from a step to the next backward (ddp): the step's
     # agreement goes out with that backward's, one round trip for both
     quiet_until_backward = False
@@ -188,6 +189,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.nothing = None  # the shared zero of released(), made at its first use
         self.released_views = {}  # parameter -> its released() view of that zero, made once
         self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
+        self.order = None  # zero3, fsdp: the GatherOrder of their layers
         self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
         self.showing = set()  # the parameters whose p.grad backward_done set, until zero_grad
         self.assigned = {}  # parameter -> (its p.grad, version) set by the user, as a backward began
@@ -447,11 +449,29 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.buckets.used_in_forward(layer.trained)
         if recorded:
             self.used.append(layer.index)
+            self.buckets.expect(layer.trained)
+
+    def skip_to(self, layer):
+        """zero3, fsdp: `layer`'s backward begins where the recorded order
+        expected others' first: their output reached no loss on this rank (a
+        head in some ranks' loss only). Do what their backward sends on the
+        ranks where it ran: gather, free, and send their buckets once their
+        uses are counted done (with zeros where no grad came)."""
+        order = self.order
+        if order is None or not order.backward:  # not after a layer's backward of this pass
+            return
+        skipped = order.next_layer()
+        while skipped is not None and skipped is not layer and layer in order.order[:order.position - 1]:
+            self.unshard(skipped, backward=True)
+            for bucket in self.buckets.skip(skipped.trained, send=self.require_grad_sync):
+                self.send(bucket)
+            self.reshard(skipped)
+            skipped = order.next_layer()
 
     def backward_started(self):
         """The first layer backward of a backward pass: every rank agrees it
-        runs the same backward (the same step, forward layers, no_sync and
-        grad hooks), before any collective of it; the end of the pass is queued."""
+        runs the same backward (the same step, forward layers and no_sync),
+        before any collective of it; the end of the pass is queued."""
         if self.in_backward:
             return
         if self.loss_scaler is not None and not self.scale_entered:  # before any collective: every rank raises alike
@@ -460,9 +480,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
                                "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
                                "loss from model(...) (or model.module(...))")
         self.before_backward()
-        self.agree_refusing_hooks("this backward pass", self.trainable, wait=False,  # checked before its first collective
-                                  step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
-                                  layers_used_in_forward=sequence_hash(self.used))
+        comm.agree("this backward pass", wait=False,  # checked before its first collective
+                   step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
+                   layers_used_in_forward=sequence_hash(self.used))
         self.in_backward = True
         self.syncing = self.require_grad_sync
         self.used.clear()
@@ -477,22 +497,11 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.remember_assigned_grads()
         self.apply_clip()  # grads kept from before a clip (no zero_grad) add up clipped, as torch's
 
-    def agree_refusing_hooks(self, what, params, wait=True, **values):
-        """comm.agree on `values` and on how many of `params` have a grad hook,
-        which would never run (has_grad_hook). A rank with one waits for the
-        check, then names the parameter (check_no_grad_hooks), rather than the
-        disagreement the other ranks raise."""
-        hooked = [p for p in params if has_grad_hook(p)]
-        try:
-            comm.agree(what, wait=wait or bool(hooked), parameters_with_grad_hooks=len(hooked), **values)
-        finally:
-            for p in hooked:
-                check_no_grad_hooks(p, self.name_of[p])
-
     def backward_done(self):
         comm.where = "the end of the backward pass"
         self.in_backward = False
         self.scale_entered = False
+        self.buckets.add_held()  # through their hooks
         self.settle()
         self.refuse_grads_from_autograd()  # before the collectives: every rank raises alike
         if self.syncing:
@@ -573,6 +582,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
             bucket.parts.pop(p, None)
             if set_to_none:
                 self.buckets.got_grad.discard(p)
+                self.buckets.expected.discard(p)
 
     def stepping(self, written):
         """The parameters the optimizer steps now: those whose p.grad is set,
@@ -594,10 +604,55 @@ class Wrapper(WrapperStateDicts, nn.Module):
             if p.grad is not self.shown_grad(p):
                 self.take_assigned_grad(name, p)
             stepping.append(p)
-        comm.agree("the optimizer step", group=self.replica_group, wait=False, step=self.steps,  # before the next collective
-                   defer=self.quiet_until_backward, parameters=parameter_hash(self.param_names(), stepping),
-                   parameters_written_in_place=len(written))
+        missing = self.buckets.missing()  # got a grad on another rank, or none
+        if missing and self.quiet_until_backward:  # the check below waits for the next backward: tell by the values
+            stepping += self.got_elsewhere(missing, stepping, everyone_missed=None)
+            missing = set()
+        spread = comm.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
+                            defer=self.quiet_until_backward,
+                            parameters=parameter_hash(self.param_names(), stepping + list(missing)),
+                            parameters_written_in_place=len(written), grads_missing=comm.Spread(len(missing)),
+                            grads_missing_named=comm.Spread(parameter_hash(self.param_names(), missing)))
+        if missing:
+            (fewest, _), (low, high) = spread["grads_missing"], spread["grads_missing_named"]
+            stepping += self.got_elsewhere(missing, stepping, everyone_missed=fewest > 0, all_alike=low == high)
+        self.buckets.expected.clear()  # the next step expects the grads of forwards after this one
         return stepping
+
+    def got_elsewhere(self, missing, stepping, everyone_missed, all_alike=False):
+        """The parameters of `missing` (a forward on every rank used them; no
+        grad came here) whose grad came on another rank: their averages hold
+        it, and they step, as under torch DDP with find_unused_parameters.
+        Where some rank missed none (the lowest count of the step's check),
+        that is all of them; where every rank missed the same ones (a layer
+        whose output no loss reads), none; else the ranks tell each other
+        which they got: the one collective this costs, and only then.
+        ddp, whose step's check is not waited for (everyone_missed None),
+        tells by the averaged grads, which it holds whole: zero where no rank
+        had a grad. (Where the ranks that had one all had exact zeros, they
+        step it and this rank does not: the step's check then fails.)"""
+        if everyone_missed is None:
+            got = [p for p in missing if self.averaged_grad(p).any()]  # a host read, where a grad is missing only
+        elif everyone_missed and all_alike:
+            got = []
+        elif everyone_missed:
+            names = self.param_names()
+            candidates = sorted(stepping + list(missing), key=names.get)  # the same on every rank (agreed)
+            flags = torch.tensor([float(p not in missing) for p in candidates], device=self.device)
+            comm.all_reduce(flags, group=self.replica_group)
+            got = [p for p, n in zip(candidates, flags.tolist()) if p in missing and n > 0]
+        else:
+            got = list(missing)
+        for p in got:
+            self.buckets.got_grad.add(p)
+            p.grad = self.shown_grad(p)
+            self.showing.add(p)
+        return got
+
+    def averaged_grad(self, p):
+        """p's averaged grad, where this rank holds it whole (one piece)."""
+        piece = next(piece for piece in self.all_pieces() if piece.name == self.name_of[p])
+        return self.grads[piece.tensor][piece.offset:piece.offset + piece.hi - piece.lo]
 
     def take_assigned_grad(self, name, p):
         """p.grad was replaced by another tensor: copy it in where the rank holds

@@ -126,6 +126,8 @@ class FSDP(Wrapper):
             self.grads[shard] = torch.zeros_like(shard, dtype=self.reduce_dtype)
         return self.grads[shard]
 
+    send = reduce_scatter  # a layer skipped in backward (Wrapper.skip_to)
+
     def finish(self, unit, handle, dest, out):
         handle.wait()
         self.average_into(dest, out)

@@ -12,12 +12,13 @@ autograd.Function:
 
 A strategy subclasses a layer and overrides these three methods to add
 communication: gather the weights before the math, free them after, and send
-each gradient away as soon as it is final. The parameters are passed to the
-Function only so that autograd knows the output needs a backward, and only
-where the input does not already tell it; their grads are delivered by
-accumulate_grad, never by autograd, so a strategy decides where a gradient
-lives. One leaf that all layers share is passed too: it tells a backward
-that fills p.grad (loss.backward()) from torch.autograd.grad, which does not.
+each gradient away as soon as it is final. The parameters are not inputs of
+the Function: their grads are delivered by accumulate_grad, never by
+autograd, so a strategy decides where a gradient lives (and runs the
+parameters' grad hooks, as autograd would: run_grad_hooks). One leaf that all
+layers share is the Function's input instead: it makes the output require
+grad where a parameter does, and it tells a backward that fills p.grad
+(loss.backward()) from torch.autograd.grad, which does not.
 """
 import math
 
@@ -63,18 +64,46 @@ def fills_param_grads():
 
 def has_grad_hook(param):
     """autograd runs a parameter's hooks as it adds the parameter's grad in;
-    tiny_zero's layers hand each grad to accumulate_grad instead, so such a
-    hook would silently never run."""
+    tiny_zero's layers hand each grad to accumulate_grad instead, where a
+    strategy runs them (run_grad_hooks), and the layers alone refuse them."""
     return bool(param._backward_hooks or param._post_accumulate_grad_hooks)
 
 
-def check_no_grad_hooks(param, name=None):
-    """Refuse a grad hook on `param` (has_grad_hook)."""
+def check_no_grad_hooks(param):
+    """Refuse a grad hook on `param` (has_grad_hook), in the layers without a strategy."""
     if has_grad_hook(param):
-        name = name or f"a parameter of shape {tuple(param.shape)}"
-        raise RuntimeError(f"{name} has a grad hook (Tensor.register_hook or register_post_accumulate_grad_hook): "
-                           "tiny_zero's layers hand each grad to accumulate_grad, not to autograd, so it would "
-                           "never run; remove it, or act on p.grad after backward()")
+        raise RuntimeError(f"a parameter of shape {tuple(param.shape)} has a grad hook (Tensor.register_hook or "
+                           "register_post_accumulate_grad_hook): tiny_zero's layers without a strategy hand each "
+                           "grad to accumulate_grad, not to autograd, so it would never run; remove it, act on "
+                           "p.grad after backward(), or wrap the model in a strategy, which runs it")
+
+
+def run_grad_hooks(param, grad, local):
+    """What autograd does with a parameter's grad of one backward pass, for a
+    strategy: `grad`, the sum of its contributions, goes through the hooks of
+    p.register_hook (each may return a replacement); local(grad) adds the
+    result to this rank's grads and returns them; then the hooks of
+    p.register_post_accumulate_grad_hook run, while p.grad shows those grads
+    (in the parameter's dtype: a copy, written back, where they are kept in
+    another). p.grad is then restored."""
+    for hook in tuple((param._backward_hooks or {}).values()):
+        result = hook(grad)
+        if result is not None:
+            grad = result
+    grads = local(grad)
+    hooks = tuple((param._post_accumulate_grad_hooks or {}).values())
+    if not hooks:
+        return
+    before = param.grad
+    shown = grads if grads.dtype == param.dtype else grads.to(param.dtype)
+    param.grad = shown
+    try:
+        for hook in hooks:
+            hook(param)
+    finally:
+        param.grad = before
+        if shown is not grads:
+            grads.copy_(shown)
 
 
 class LayerFunction(torch.autograd.Function):
@@ -124,11 +153,9 @@ class CallbackLayer:
     # their callbacks hold Python state (buckets, gathers) that a graph cannot
     @torch.compiler.disable
     def forward(self, x):
-        # the parameters only where x does not already make the output require
-        # grad (an embedding's indices, a first layer's input): each one passed
-        # is a node that autograd's engine visits in every backward, for nothing
-        params = () if x.requires_grad else self.autograd_params()
-        inputs = (_LEAF, *params) if x.requires_grad or params else ()  # nothing that requires grad: none recorded
+        # the leaf makes the output require grad (an embedding's indices, a first
+        # layer's input do not); nothing that requires grad: no backward recorded
+        inputs = (_LEAF,) if x.requires_grad or self.autograd_params() else ()
         if torch._C._are_functorch_transforms_active():
             return LayerFunction.apply(self, x, *inputs)
         return _apply(self, x, *inputs)

@@ -139,19 +139,16 @@ class Pipeline(Wrapper):
         self.sending = []
 
     def micro_batches(self, x, y, what):
-        """Check the batch and, for a train step, that no parameter has a grad
-        hook (on every rank, before any collective: each has the same x and y,
-        and the same module), agree on the step, cut it into micro-batches.
+        """Check the batch (on every rank, before any collective: each has the
+        same x and y), agree on the step, cut it into micro-batches.
         x and y: a tensor, or tuples, lists and dicts of them, cut by rows."""
         xs, ys = self.rows(x, "x", what), self.rows(y, "y", what)
-        # a train step: every rank checks every parameter for grad hooks, its stage's or not
-        hook_checked = [p for _, p in self.named_params] if torch.is_grad_enabled() else []
         if torch.is_grad_enabled():  # a train step: its backward passes add to the grads
             self.before_backward()
         shapes = [(t.dtype, tuple(t.shape)) for t in xs[1]]
-        self.agree_refusing_hooks(f"this {what}", hook_checked, step=self.steps, grad=int(torch.is_grad_enabled()),
-                                  no_sync=int(not self.require_grad_sync),
-                                  shapes=comm.value_hash(shapes + [tuple(t.shape) for t in ys[1]]))
+        comm.agree(f"this {what}", step=self.steps, grad=int(torch.is_grad_enabled()),
+                   no_sync=int(not self.require_grad_sync),
+                   shapes=comm.value_hash(shapes + [tuple(t.shape) for t in ys[1]]))
         self.input_key = (torch.is_grad_enabled(), self.microbatches, *shapes)  # the same on every stage
         self.inputs = self.chunks(*xs) if self.first else None
         self.targets = self.chunks(*ys) if self.last else None
@@ -202,6 +199,7 @@ class Pipeline(Wrapper):
             self.syncing = self.require_grad_sync  # the grads are final in this backward
         if outs:
             torch.autograd.backward(outs, grads)
+        self.buckets.add_held()  # grad hooks run once per micro-batch's backward, as in torch
         back = on_the_wire([grad_of(x) for x in inputs])
         self.outbox += [(g, self.rank_of(self.stage - 1)) for g in back]  # STRATEGY: d loss / d inputs, back
 
@@ -280,8 +278,7 @@ class Pipeline(Wrapper):
 
     def backward_started(self):
         """Nothing per micro-batch: the stages run different layers at
-        different times, so they agree (and check for grad hooks) once per
-        step, in micro_batches()."""
+        different times, so they agree once per step, in micro_batches()."""
 
     @torch.no_grad()
     def all_reduce(self, bucket):
