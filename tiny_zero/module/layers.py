@@ -37,7 +37,8 @@ def expects_backward(ctx):
     """A forward that a backward may follow: an input requires grad, and it is
     not a recompute inside backward (activation checkpointing), whose
     parameters get no extra grad contribution. Under torch.no_grad() too: a
-    reentrant checkpoint runs its block's forward so, and backward recomputes it."""
+    reentrant checkpoint runs its block's forward so, and backward recomputes it
+    (there CallbackLayer.forward passes _LEAF, an input that requires grad)."""
     return any(ctx.needs_input_grad) and not in_backward_pass()
 
 
@@ -128,7 +129,12 @@ class CallbackLayer:
         # grad (an embedding's indices, a first layer's input): each one passed
         # is a node that autograd's engine visits in every backward, for nothing
         params = () if x.requires_grad else self.autograd_params()
-        inputs = (_LEAF, *params) if x.requires_grad or params else ()  # nothing that requires grad: none recorded
+        # _LEAF also under torch.no_grad(), where nothing is recorded: a reentrant
+        # checkpoint runs its block so, and backward then runs back through every
+        # layer of it, frozen ones too, whose inputs no_grad stripped of
+        # requires_grad; so this forward too expects_backward
+        needs_leaf = x.requires_grad or params or not torch.is_grad_enabled()
+        inputs = (_LEAF, *params) if needs_leaf else ()  # nothing that requires grad: none recorded
         if torch._C._are_functorch_transforms_active():
             return LayerFunction.apply(self, x, *inputs)
         return _apply(self, x, *inputs)
