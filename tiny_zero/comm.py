@@ -446,12 +446,20 @@ class Buckets:
     and are flattened into its grads buffer when it is sent, which the
     strategy drops once the collective is done (zero2, zero3, fsdp, offload).
     So a bucket costs the grads made so far, as torch's grads do, until it goes.
+
+    average_over: the number of ranks whose sum the strategy sends for. Each
+    bucket handed out to be sent is divided by it first, as torch DDP divides
+    before it sums: N fp16 grads can overflow in their sum where their average
+    does not. The division comes with the copy that flattens the parts, or,
+    in a flat buffer, in place (its grads may hold earlier averages, which the
+    sum of N divided copies keeps).
     """
 
-    def __init__(self, buckets, dtype, device, flat=None):
+    def __init__(self, buckets, dtype, device, flat=None, average_over=1):
         self.list = buckets
         self.of = {p: b for b in buckets for p in b.params}
         self.dtype, self.device, self.flat = dtype, device, flat
+        self.average_over = average_over
         self.slots = {}  # with a flat buffer: each parameter's view of it, made once
         if flat is not None:
             for b in buckets:
@@ -518,21 +526,24 @@ class Buckets:
             part.add_(grad)
 
     def _to_send(self, buckets):
-        """Those with a grad since they were last sent: a bucket with none is
-        skipped, alike on every rank (every rank ran the same layers)."""
+        """Those with a grad since they were last sent, divided by
+        average_over: a bucket with none is skipped, alike on every rank
+        (every rank ran the same layers)."""
         fresh = [b for b in buckets if b.fresh]
         for b in fresh:
             b.fresh = False
             if self.flat is None:
                 self.flatten(b)
+            elif self.average_over > 1:
+                b.grads.div_(self.average_over)
         return fresh
 
     def flatten(self, bucket):
-        """A bucket about to be sent: its parts, into one flat buffer (zeros
-        where a parameter got no grad, and in the padding)."""
+        """A bucket about to be sent: its parts divided by average_over, into
+        one flat buffer (zeros where a parameter got no grad, and in the padding)."""
         bucket.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
         for p, part in bucket.parts.items():
-            bucket.own_view(bucket.grads, p).copy_(part)
+            torch.div(part, self.average_over, out=bucket.own_view(bucket.grads, p))
         bucket.parts = {}
 
     def wait(self):
