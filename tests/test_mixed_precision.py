@@ -41,7 +41,8 @@ def test_fp16_ranks_take_the_steps_one_process_takes(name, world2):
     averaged as torch DDP averages (divided, then summed), no step is
     skipped where one process skips none, and the parameters are one
     process's (fp32 reduction of the same grads)."""
-    for rank, (skipped, control_skipped, scales, control_scales, differ) in enumerate(world2["same_rows"]):
+    for rank, runs in enumerate(world2["same_rows"]):
+        skipped, control_skipped, scales, control_scales, differ = runs[name]
         assert control_skipped == 0, (rank, control_scales)  # the setting: one process takes every step
         assert skipped == 0 and scales == control_scales, (rank, name, skipped, scales)
         assert differ == [], (rank, name, differ)

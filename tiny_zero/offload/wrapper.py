@@ -42,8 +42,8 @@ class ZeroOffload(Wrapper):
         buckets = make_buckets(self.trainable[::-1], bucket_bytes, pad_to=n)  # backward runs the last layer first
         self.flat_params = self.flatten(buckets, self.trainable)
         self.keep_whole(self.frozen)
-        # a bucket's grads: from its first grad until sent, then flattened and divided by N (STRATEGY)
-        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, average_over=n)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
+                               average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # set by torchrun
         self.cores = max(1, host_cores() // local_ranks) if local_ranks else 1  # this rank's share of the host
