@@ -1,10 +1,12 @@
 """Worker functions for the mixed-precision tests (run on every rank)."""
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 import tiny_zero
 from tiny_zero.precision import LossScaler
-from parity_checks import PER_RANK, ParityNet, global_batch
+from parity_checks import HIDDEN, PER_RANK, VOCAB, WIDTH, ParityNet, global_batch
 
 STEPS = 6
 
@@ -85,3 +87,74 @@ def poisoned_step_skips_everywhere(name):
     opt.step()
     moved = [k for k in after if not torch.equal(after[k], model.full_state_dict()[k])]
     return dict(changed=changed, skipped=opt.skipped_steps, scales=scales, moved_after=len(moved))
+
+
+class UntiedNet(nn.Module):
+    """Each parameter used once, no weight tied: one grad per parameter per
+    backward, so that no grads are summed before the reduction (in fp16 or
+    in fp32, by the reduction's dtype). The loss is a sum, so that the
+    weights' grads are many times the loss's own (1, times the loss scale,
+    which must stay finite in fp16 too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.fc1 = nn.Linear(WIDTH, HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, idx, targets):
+        logits = self.head(torch.tanh(self.fc1(self.emb(idx))))
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.reshape(-1), reduction="sum")
+
+
+def same_rows(step):
+    """The same rows on every rank: the average of the ranks' grads is each rank's grad."""
+    return [t[:PER_RANK] for t in global_batch(step, 0, 1)]
+
+
+def scale_for_largest_grad(target):
+    """A loss scale that makes the largest grad of step 0 (fp32, one process) `target`."""
+    torch.manual_seed(0)
+    net = UntiedNet()
+    net(*same_rows(0)).backward()
+    return target / max(p.grad.abs().max().item() for p in net.parameters())
+
+
+def wrap_same_rows(name, **options):
+    if name == "tensor":  # no Linear split (tp_size 1): the world is replicas, averaging grads as ddp
+        from tiny_zero.tensor import TensorParallel, TensorParallelAdamW
+        return TensorParallel(UntiedNet(), plan={}, tp_size=1, **options), TensorParallelAdamW
+    wrapper_cls, opt_cls = tiny_zero.STRATEGIES[name]
+    return wrapper_cls(UntiedNet(), **options), opt_cls
+
+
+def fp16_same_rows_takes_every_step(names, steps=3):
+    """fp16, every rank given the same rows, a loss scale that puts the
+    largest scaled grad near 40,000: finite in fp16, as one process has it,
+    but the sum of two ranks' is not (65,504 is fp16's largest). Grads divided
+    by N before they are summed give the average, and the steps one process
+    takes; the control is the same run with fp32 reduction, whose average of
+    equal fp16 grads is exactly each of them, as one process has it: the
+    parameters must be equal.
+    Returns {name: (skipped steps, control's, loss scales, control's,
+    parameters that differ from the control's)}."""
+    scale = scale_for_largest_grad(40000.0)
+    out = {}
+    for name in names:
+        runs = []
+        for reduce_dtype in (None, torch.float32):
+            torch.manual_seed(0)
+            model, opt_cls = wrap_same_rows(name, mixed_precision="fp16", reduce_dtype=reduce_dtype,
+                                            loss_scaler=LossScaler(init_scale=scale))
+            opt = opt_cls(model, lr=1e-2, weight_decay=0.1)
+            scales = []
+            for step in range(steps):
+                model.backward(model(*same_rows(step)))
+                opt.step()
+                opt.zero_grad()
+                scales.append(opt.loss_scale)
+            runs.append((opt.skipped_steps, scales, model.full_state_dict()))
+        (skipped, scales, state), (control_skipped, control_scales, control) = runs
+        differ = [k for k in state if not torch.equal(state[k], control[k])]
+        out[name] = (skipped, control_skipped, scales, control_scales, differ)
+    return out

@@ -17,6 +17,7 @@ ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 def world2():
     plan = [("tracks", "tracks_fp32", (ALL,))]
     plan += [(("poisoned", n), "poisoned_step_skips_everywhere", (n,)) for n in ALL]
+    plan += [("same_rows", "fp16_same_rows_takes_every_step", (ALL + ["tensor"],))]
     return run_checks(2, "precision_checks", plan)
 
 
@@ -32,6 +33,19 @@ def test_overflow_on_one_rank_skips_on_all(name, world2):
         assert r["skipped"] == 2, (rank, r)
         assert r["scales"] == [2.0**8, 2.0**8, 2.0**7], (rank, r)  # hysteresis 2: the 2nd overflow halves
         assert r["moved_after"] > 0, (rank, r)
+
+
+@pytest.mark.parametrize("name", ALL + ["tensor"])
+def test_fp16_ranks_take_the_steps_one_process_takes(name, world2):
+    """The same rows on both ranks, the largest scaled grad near 45,000:
+    averaged as torch DDP averages (divided, then summed), no step is
+    skipped where one process skips none, and the parameters are one
+    process's (fp32 reduction of the same grads)."""
+    for rank, runs in enumerate(world2["same_rows"]):
+        skipped, control_skipped, scales, control_scales, differ = runs[name]
+        assert control_skipped == 0, (rank, control_scales)  # the setting: one process takes every step
+        assert skipped == 0 and scales == control_scales, (rank, name, skipped, scales)
+        assert differ == [], (rank, name, differ)
 
 
 def test_loss_scale_sequence():

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .module import has_grad_hook, run_grad_hooks
+from .module import has_grad_hook, in_backward_pass, run_grad_hooks
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # every strategy's default bucket_bytes, as torch DDP's
 
@@ -467,12 +467,20 @@ class Buckets:
     and are flattened into its grads buffer when it is sent, which the
     strategy drops once the collective is done (zero2, zero3, fsdp, offload).
     So a bucket costs the grads made so far, as torch's grads do, until it goes.
+
+    average_over: the number of ranks whose sum the strategy sends for. Each
+    bucket handed out to be sent is divided by it first, as torch DDP divides
+    before it sums: N fp16 grads can overflow in their sum where their average
+    does not. The division comes with the copy that flattens the parts, or,
+    in a flat buffer, in place (its grads may hold earlier averages, which the
+    sum of N divided copies keeps).
     """
 
-    def __init__(self, buckets, dtype, device, flat=None):
+    def __init__(self, buckets, dtype, device, flat=None, average_over=1):
         self.list = buckets
         self.of = {p: b for b in buckets for p in b.params}
         self.dtype, self.device, self.flat = dtype, device, flat
+        self.average_over = average_over
         self.slots = {}  # with a flat buffer: each parameter's view of it, made once
         if flat is not None:
             for b in buckets:
@@ -596,22 +604,24 @@ class Buckets:
 
     def _to_send(self, buckets):
         """Those used by a recorded forward or given a grad since they were
-        last sent: a bucket with neither is skipped, alike on every rank
-        (every rank ran the same layers). A used bucket goes out where no grad
-        came, so every rank sends the same buckets."""
+        last sent, divided by average_over: a bucket with neither is skipped,
+        alike on every rank (every rank ran the same layers). A used bucket
+        goes out where no grad came, so every rank sends the same buckets."""
         sent = [b for b in buckets if b.fresh or b.used]
         for b in sent:
             b.fresh = b.used = False
             if self.flat is None:
                 self.flatten(b)
+            elif self.average_over > 1:
+                b.grads.div_(self.average_over)
         return sent
 
     def flatten(self, bucket):
-        """A bucket about to be sent: its parts, into one flat buffer (zeros
-        where a parameter got no grad, and in the padding)."""
+        """A bucket about to be sent: its parts divided by average_over, into
+        one flat buffer (zeros where a parameter got no grad, and in the padding)."""
         bucket.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
         for p, part in bucket.parts.items():
-            bucket.own_view(bucket.grads, p).copy_(part)
+            torch.div(part, self.average_over, out=bucket.own_view(bucket.grads, p))
         bucket.parts = {}
 
     def wait(self):
@@ -657,6 +667,12 @@ class GatherOrder:
     the strategy can gather the next unit ahead, and `next_layer` says which
     units the coming layer needs, so it can free the others.
 
+    A forward inside a backward pass is activation checkpointing's recompute
+    of the layers whose backward comes next: it leaves the backward walk where
+    it is, so the unit it gathers stays for that backward, and the unit
+    before it is the one gathered ahead. A layer that the order does not hold
+    leaves the walk where it is too.
+
     A layer that needs a unit the order did not predict (eval taking another
     path, a layer skipped this step, the recording step) is gathered on the
     spot; before that every rank agrees that it is the same layer, so a rank
@@ -668,33 +684,46 @@ class GatherOrder:
         self.following = dict(zip(units_of, list(units_of)[1:]))  # the next layer in module order
         self.order = []
         self.recording = True
-        self.backward = False
-        self.position = 0  # forward: layers done; backward: layers left
+        self.backward = False  # walking the order backwards: in a backward pass, recomputes included
+        self.position = 0  # forward: layers done; backward: layers left (0 <= position <= len(order))
         self.last = None  # the layer that arrived last
 
     def arrive(self, layer, expected, backward=False, training=False):
-        """`layer` is about to run; `expected`: what it needs was gathered or
-        started ahead. Returns the layers expected after it, nearest first."""
-        if backward and self.recording:  # the first backward ends the recording
+        """`layer` is about to run (in its backward if `backward`); `expected`:
+        what it needs was gathered or started ahead; `training`: a forward
+        that a backward may follow. Returns the layers expected after it,
+        nearest first."""
+        in_backward = backward or in_backward_pass()
+        if in_backward and self.recording:  # the first backward ends the recording; it walks back from the end
             self.recording = False
+            self.position = len(self.order)
         if self.recording or not expected:
             agree(f"the layer to gather in {'backward' if backward else 'forward'}", layer=layer.index)
         self.last = layer
         if self.recording:
             if training:  # only a forward that backward will follow sets the order
                 self.order.append(layer)
-            self.backward = False
             return []
-        self.backward = backward
+        self.backward = in_backward
         if backward:
-            if self.position <= 0 or self.order[self.position - 1] is not layer:
-                self.position = len(self.order) - self.order[::-1].index(layer) if layer in self.order else 0
-            self.position -= 1
+            self.step_back(layer)
+        elif not in_backward:
+            self.step_forward(layer)
+        if self.backward:
             return self.order[self.position - 1::-1] if self.position > 0 else []
-        if self.position >= len(self.order) or self.order[self.position] is not layer:
-            self.position = self.order.index(layer) if layer in self.order else len(self.order)
-        self.position += 1
         return self.order[self.position:]
+
+    def step_forward(self, layer):
+        if self.position < len(self.order) and self.order[self.position] is layer:
+            self.position += 1
+        elif layer in self.order:
+            self.position = self.order.index(layer) + 1
+
+    def step_back(self, layer):
+        if self.position > 0 and self.order[self.position - 1] is layer:
+            self.position -= 1
+        elif layer in self.order:
+            self.position = len(self.order) - 1 - self.order[::-1].index(layer)
 
     def next_layer(self):
         """The layer expected after the one that just ran (None: the pass ends).

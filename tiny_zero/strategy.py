@@ -287,13 +287,15 @@ class Wrapper(WrapperStateDicts, nn.Module):
         model.grads): dest itself if it holds nothing this step, else a new buffer."""
         return dest if dest.data_ptr() not in self.averaged else torch.empty_like(dest)
 
-    def average_into(self, dest, summed):
-        """dest = summed / N the first time in a step, dest += summed / N after:
-        the averaged grads add up over backward passes, as p.grad does in torch."""
-        if dest.data_ptr() not in self.averaged:
-            torch.div(summed, self.world_size, out=dest)
-        else:  # divided the same way: a first average added to zeros is bitwise the one written
-            dest.add_(summed.div_(self.world_size))
+    def average_into(self, dest, average):
+        """dest = average (a collective's sum of grads divided by N, Buckets)
+        the first time in a step, dest += average after: the averaged grads
+        add up over backward passes, as p.grad does in torch. Where
+        reduce_target let the collective write into dest, it is there already."""
+        if dest.data_ptr() in self.averaged:
+            dest.add_(average)
+        elif average is not dest:
+            dest.copy_(average)
         self.averaged.add(dest.data_ptr())
 
     def bucket_pieces(self, bucket, begin, n, tensor, offset=0):

@@ -6,8 +6,10 @@ buckets; the optimizer state of all of it. p.grad is a view of flat_grads
 (as torch DDP's gradient_as_bucket_view). Frozen parameters stay whole on
 every rank and are never sent.
 Collectives: broadcast of rank 0's parameters at wrap time; all_reduce of each
-bucket during backward, as soon as its grads are final (layers.py); at the
-end of the backward pass, the waits and the division by N.
+bucket during backward, as soon as its grads are final (layers.py), divided by
+N first (as torch DDP: the sum of the divided grads is their average, and
+cannot overflow in fp16 where the average does not); at the end of the
+backward pass, the waits.
 """
 import torch
 
@@ -28,7 +30,8 @@ class DDP(Wrapper):
         self.flat_params = self.flatten(buckets, self.trainable)  # STRATEGY: all of it, on every rank
         self.keep_whole(self.frozen)
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
-        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
+                               average_over=self.world_size)  # STRATEGY: each bucket / N, before it is sent
         self.shards = self.fp32_shards([self.flat_params])
         self.grads = {self.shards[0]: self.flat_grads}
 
@@ -39,9 +42,8 @@ class DDP(Wrapper):
     def reduce_grads(self):
         for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
             self.all_reduce(bucket)
-        for bucket in self.buckets.wait():  # STRATEGY: the only wait, at the end of backward
-            # sum -> mean; grads averaged before (no zero_grad) were the same on every rank: they stay
-            bucket.grads.div_(self.world_size)
+        # grads averaged before (no zero_grad) were the same on every rank: / N, summed, they stay
+        self.buckets.wait()  # STRATEGY: the only wait, at the end of backward
 
     def clear_grads(self, set_to_none):
         pass  # the buckets are views of flat_grads, which Buckets.clear zeroes

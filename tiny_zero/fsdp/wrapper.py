@@ -35,7 +35,8 @@ class FSDP(Wrapper):
         self.slices, self.slice_start = {}, {}
         self.local = self.keep_slices(trainable)  # STRATEGY: 1/N of every tensor
         self.frozen_local = self.keep_slices([u for u in units if not u.params[0].requires_grad])
-        self.buckets = Buckets(trainable[::-1], self.reduce_dtype, self.device)  # the last layer's grads first
+        self.buckets = Buckets(trainable[::-1], self.reduce_dtype, self.device,  # the last layer's grads first,
+                               average_over=self.world_size)  # STRATEGY: each unit's / N, as it is flattened to be sent
         self.shards = self.fp32_shards([self.slices[u] for u in trainable])  # one per unit: each has its own grads
         self.shard_of = dict(zip(trainable, self.shards))
         self.order = GatherOrder(self.units_of)

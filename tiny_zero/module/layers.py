@@ -38,7 +38,8 @@ def expects_backward(ctx):
     """A forward that a backward may follow: an input requires grad, and it is
     not a recompute inside backward (activation checkpointing), whose
     parameters get no extra grad contribution. Under torch.no_grad() too: a
-    reentrant checkpoint runs its block's forward so, and backward recomputes it."""
+    reentrant checkpoint runs its block's forward so, and backward recomputes it
+    (there CallbackLayer.forward passes _LEAF, an input that requires grad)."""
     return any(ctx.needs_input_grad) and not in_backward_pass()
 
 
@@ -154,8 +155,13 @@ class CallbackLayer:
     @torch.compiler.disable
     def forward(self, x):
         # the leaf makes the output require grad (an embedding's indices, a first
-        # layer's input do not); nothing that requires grad: no backward recorded
-        inputs = (_LEAF,) if x.requires_grad or self.autograd_params() else ()
+        # layer's input do not); nothing that requires grad: no backward recorded.
+        # The leaf also under torch.no_grad(), where nothing is recorded: a
+        # reentrant checkpoint runs its block so, and backward then runs back
+        # through every layer of it, frozen ones too, whose inputs no_grad
+        # stripped of requires_grad; so this forward too expects_backward
+        needs_leaf = x.requires_grad or not torch.is_grad_enabled() or self.autograd_params()
+        inputs = (_LEAF,) if needs_leaf else ()
         if torch._C._are_functorch_transforms_active():
             return LayerFunction.apply(self, x, *inputs)
         return _apply(self, x, *inputs)

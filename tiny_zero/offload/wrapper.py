@@ -42,7 +42,8 @@ class ZeroOffload(Wrapper):
         buckets = make_buckets(self.trainable[::-1], bucket_bytes, pad_to=n)  # backward runs the last layer first
         self.flat_params = self.flatten(buckets, self.trainable)
         self.keep_whole(self.frozen)
-        self.buckets = Buckets(buckets, self.reduce_dtype, self.device)  # a bucket's grads: from its first grad until sent
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
+                               average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # set by torchrun
         self.cores = max(1, host_cores() // local_ranks) if local_ranks else 1  # this rank's share of the host
@@ -77,7 +78,7 @@ class ZeroOffload(Wrapper):
         dest = self.grads[self.shards[bucket.index]]
         # the step's first average lands in place; a later backward's is added on the host (reduce_grads)
         land = dest if dest.data_ptr() not in self.averaged else self.host_empty(dest.numel(), dest.dtype)
-        self.to_host(land, out.div_(self.world_size))  # STRATEGY: the average to the host; backward goes on
+        self.to_host(land, out)  # STRATEGY: the average to the host; backward goes on
         self.averaged.add(dest.data_ptr())
         self.landing.append((dest, land))
 

@@ -90,7 +90,8 @@ class Pipeline(Wrapper):
         self.flat_params = self.flatten(buckets, own + copies)  # every replica of the stage: the first's values
         self.keep_whole(self.frozen)
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
-        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
+                               average_over=self.replicas)  # STRATEGY: each bucket / R, before it is sent
         stepped = sum(b.numel for b in self.own_buckets)
         self.shards = self.fp32_shards([self.flat_params[:stepped]])
         self.grads = {self.shards[0]: self.flat_grads[:stepped]}
@@ -282,10 +283,9 @@ class Pipeline(Wrapper):
 
     @torch.no_grad()
     def all_reduce(self, bucket):
-        """The replicas' average of a bucket, as torch DDP takes it: divided by R, then summed. Grads
-        averaged before (no zero_grad) are the same on every replica: they stay."""
+        """The replicas' average of a bucket, as torch DDP takes it: divided by R (Buckets), then summed.
+        Grads averaged before (no zero_grad) are the same on every replica: they stay."""
         if self.replicas > 1:
-            bucket.grads.div_(self.replicas)
             bucket.handle = comm.all_reduce(bucket.grads, async_op=True, group=self.replica_group)  # STRATEGY
 
     @torch.no_grad()

@@ -66,7 +66,8 @@ class TensorParallel(Wrapper):
         buckets = make_buckets(self.trainable[::-1], bucket_bytes)  # backward runs the last layer first
         self.flat_params = self.flatten_parts(buckets)
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
-        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
+                               average_over=self.replicas)  # STRATEGY: each bucket / R, before it is sent
         self.shards = self.fp32_shards([self.flat_params])
         self.grads = {self.shards[0]: self.flat_grads}
 
@@ -126,8 +127,8 @@ class TensorParallel(Wrapper):
     def reduce_grads(self):
         for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
             self.all_reduce(bucket)
-        for bucket in self.buckets.wait():  # STRATEGY: the only wait, at the end of backward
-            bucket.grads.div_(self.replicas)  # sum -> mean; grads averaged before were the same on every replica
+        # grads averaged before (no zero_grad) were the same on every replica: / R, summed, they stay
+        self.buckets.wait()  # STRATEGY: the only wait, at the end of backward
 
     def clear_grads(self, set_to_none):
         pass  # the buckets are views of flat_grads, which Buckets.clear zeroes

@@ -33,7 +33,8 @@ class Zero1(Wrapper):
         self.flat_params = self.flatten(buckets, self.trainable)
         self.keep_whole(self.frozen)
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)  # STRATEGY: full, kept through backward
-        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
+                               average_over=self.world_size)  # STRATEGY: each bucket / N, before it is sent
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
         self.shards = self.fp32_shards(chunks)
         self.grads = {shard: b.chunk(self.flat_grads, self.rank, n) for shard, b in zip(self.shards, buckets)}
@@ -61,8 +62,7 @@ class Zero1(Wrapper):
             mine = bucket.chunk(self.flat_grads, self.rank, self.world_size)
             sent.append((bucket, mine, comm.reduce_scatter(mine, bucket.grads, async_op=True)))  # STRATEGY: my chunk's sum
         for bucket, mine, handle in sent:
-            handle.wait()
-            mine.div_(self.world_size)  # sum -> mean
+            handle.wait()  # the sum of grads divided by N: the average
             self.zero_others(bucket)  # they were sent: the next backward starts from zero there
         if self.scaled:  # buckets this backward gave no grad: their averages, back from N x
             for bucket in set(self.buckets) - {bucket for bucket, _, _ in sent}:

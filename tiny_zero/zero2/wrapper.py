@@ -30,7 +30,8 @@ class Zero2(Wrapper):
         buckets = make_buckets(self.trainable[::-1], bucket_bytes, pad_to=n)  # backward runs the last layer first
         self.flat_params = self.flatten(buckets, self.trainable)
         self.keep_whole(self.frozen)
-        self.buckets = Buckets(buckets, self.reduce_dtype, self.device)  # a bucket's grads: from its first grad until sent
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
+                               average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
         self.shards = self.fp32_shards(chunks)
         self.grad_shard = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)

@@ -36,7 +36,8 @@ class Zero3(Wrapper):
         buckets = owner_buckets(self.trainable[::-1], self.owner, unit_of, bucket_bytes)  # grad-ready order
         self.mine = [b for b in buckets if self.owner[b.params[0]] == self.rank]
         self.owned = self.keep_owned(self.mine)
-        self.buckets = Buckets(buckets, self.reduce_dtype, self.device)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device,
+                               average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         self.shards = self.fp32_shards([self.owned]) if self.owned.numel() else []
         self.unit_buckets = {unit: [b for b in buckets if unit_of[b.params[0]] == unit] for unit in self.unit_params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
