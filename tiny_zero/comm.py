@@ -337,9 +337,11 @@ def _settle_at_exit():
     Destroying a group joins its worker threads (with the GIL released), so
     they let go of everything now. torch's destroy_process_group() does that
     for the groups only it holds: the side groups are let go here, and the
-    world is destroyed here when the script did not. Deferred checks are
-    dropped, and no wait lasts over a minute: sending or waiting now could
-    wait for a rank that has gone."""
+    world is destroyed here when the script did not. Not after a script that
+    raised: a collective of its may still wait for the other ranks, and
+    joining its thread would wait with it (the run failed anyway). Deferred
+    checks are dropped, and no wait lasts over a minute: sending or waiting
+    now could wait for a rank that has gone."""
     global timeout
     timeout = min(timeout, timedelta(seconds=60))
     _deferred.clear()
@@ -350,6 +352,8 @@ def _settle_at_exit():
             print(f"tiny_zero, at exit: {e}", file=sys.stderr)
         except RuntimeError:
             pass  # CollectiveError: the group was destroyed before it ran, or a rank has gone
+    if getattr(sys, "last_value", None) is not None:  # the script raised: Python printed its traceback
+        return
     _side_groups.clear()  # their last references but torch's
     if dist.is_initialized():
         dist.destroy_process_group()
