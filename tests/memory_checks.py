@@ -10,9 +10,7 @@ import torch.distributed as dist
 
 import tiny_zero
 from tiny_zero.measure.memory import TensorMemory
-from example.model import build_model
-
-BATCH, SEQ = 2, 32
+from strategy_checks import global_batch_tokens, gpt_tiny
 
 
 def gathered_memory(name):
@@ -22,9 +20,9 @@ def gathered_memory(name):
     the ones in flight. After forward and after backward nothing is gathered:
     forward keeps nothing full for backward."""
     torch.manual_seed(0)
-    model = tiny_zero.STRATEGIES[name][0](build_model("tiny", seed=0))
+    model = tiny_zero.STRATEGIES[name][0](gpt_tiny())
     opt = tiny_zero.STRATEGIES[name][1](model, lr=1e-3)
-    x, y = batch()
+    x, y = global_batch_tokens()
     failures, peak = [], {"forward": 0, "backward": 0}
     with TensorMemory() as memory:
         memory.attach(model, opt)
@@ -53,13 +51,6 @@ def gathered_memory(name):
             failures.append(f"{name} rank {dist.get_rank()}: {most} bytes gathered in {where}, more than the "
                             f"two largest units ({largest_two})")
     return failures, peak
-
-
-def batch():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (BATCH * world, SEQ + 1), generator=g)[BATCH * rank:BATCH * (rank + 1)]
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def nothing_gathered(memory, model, when):
