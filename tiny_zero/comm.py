@@ -325,7 +325,7 @@ def _disagree(what):
 def _settle_at_exit():
     """At exit, while the interpreter is whole: settle the agreements still
     in flight (a step's own is sent without waiting; a disagreement is still
-    told), then destroy the process groups, side groups first.
+    told), then let go of the side groups and destroy the process groups.
 
     Why: a gloo worker thread lets go of a collective it ran only after the
     rank's wait() has returned, and letting go takes the GIL (the collective
