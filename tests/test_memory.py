@@ -1,10 +1,19 @@
-"""TensorMemory counts live tensor storage bytes exactly."""
+"""TensorMemory counts live tensor storage bytes exactly; with it, zero3 and
+fsdp hold no more gathered parameters than their formula allows."""
 import gc
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
 from tiny_zero.measure.memory import TensorMemory
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import run_checks  # noqa: E402
+
+GATHERED = ["zero3", "fsdp"]
 
 
 def test_allocation_raises_current_and_peak_by_its_bytes():
@@ -155,3 +164,18 @@ def test_the_tensor_that_sets_the_peak_is_classified_once_stored():
         opt.state.clear()  # freed: the peak's breakdown stays
         assert memory.peak == 4400 and memory.peak_breakdown["parameters"] == 400
         assert memory.peak_breakdown["optimizer_state"] == 4000 and memory.peak_breakdown["other"] == 0
+
+
+@pytest.fixture(scope="module")
+def gathered_world2():
+    return run_checks(2, "memory_checks", [(name, "gathered_memory", (name,)) for name in GATHERED])
+
+
+@pytest.mark.parametrize("name", GATHERED)
+def test_gathered_parameters_are_one_unit_and_the_next_in_flight(name, gathered_world2):
+    """At every gather of forward and backward: the layer's units and the one
+    in flight, no more (the peak: the two largest units); after forward and
+    after backward nothing gathered (tests/memory_checks.py)."""
+    failures = [f for rank_failures, _ in gathered_world2[name] for f in rank_failures]
+    assert not failures, "\n".join(failures[:20])
+    assert all(peak["backward"] > 0 for _, peak in gathered_world2[name])  # it did measure

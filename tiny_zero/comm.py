@@ -17,9 +17,11 @@ agree(what, **values): every rank checks that every rank passed the same
     integers, on a side channel (a gloo group of its own, CPU tensors), before
     the collectives that would otherwise mismatch or hang; the same clear error
     on every rank if not. new_group(ranks) makes a process group with a side
-    channel of its own, for agree(group=...) among those ranks only. At exit,
-    the checks still in flight are waited for and let go (and a disagreement
-    told), before the interpreter's teardown, where gloo could abort on them.
+    channel of its own, for agree(group=...) among those ranks only.
+At exit (_settle_at_exit): the checks still in flight are waited for (a
+    disagreement is told), then the process groups are destroyed, while the
+    interpreter is whole: see there why a run would otherwise abort now and
+    then on its way out.
 Buckets: gradient buckets in the order their grads become final, and which
     of them may be sent now.
 GatherOrder, gather_units: zero3's and fsdp's units (a block, by default),
@@ -342,10 +344,23 @@ def _disagree(what):
 
 @atexit.register
 def _settle_at_exit():
-    """At exit, settle the agreements still in flight (a step's own is sent
-    without waiting) while the interpreter is whole: a collective's work and
-    tensor freed in its teardown can abort the process ("terminate called
-    without an active exception"). A disagreement is still told. Deferred
+    """At exit, while the interpreter is whole: settle the agreements still
+    in flight (a step's own is sent without waiting; a disagreement is still
+    told), then let go of the side groups and destroy the process groups.
+
+    Why: a gloo worker thread lets go of a collective it ran only after the
+    rank's wait() has returned, and letting go takes the GIL (the collective
+    holds tensors and thread-local state that belong to Python). Should that
+    come after the interpreter began its teardown, the thread is ended inside
+    C++ and the process aborts ("terminate called without an active
+    exception") after a run that went right. It happens now and then, under
+    load, to the last collectives of a run: this check's, or the model's.
+    Destroying a group joins its worker threads (with the GIL released), so
+    they let go of everything now. torch's destroy_process_group() does that
+    for the groups only it holds: the side groups are let go here, and the
+    world is destroyed here when the script did not. Not after a script that
+    raised: a collective of its may still wait for the other ranks, and
+    joining its thread would wait with it (the run failed anyway). Deferred
     checks are dropped, and no wait lasts over a minute: sending or waiting
     now could wait for a rank that has gone."""
     global timeout
@@ -358,6 +373,11 @@ def _settle_at_exit():
             print(f"tiny_zero, at exit: {e}", file=sys.stderr)
         except RuntimeError:
             pass  # CollectiveError: the group was destroyed before it ran, or a rank has gone
+    if getattr(sys, "last_value", None) is not None:  # the script raised: Python printed its traceback
+        return
+    _side_groups.clear()  # their last references but torch's
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- buckets
