@@ -574,3 +574,13 @@ def test_readme_gpt2_row_is_the_fullest_rank():
     quoted = [float(x) for x in re.findall(r"(\d+\.\d+) GB", row)]
     computed = [round(max(r["total"] for r in held_bytes(s, 8)) / 1e9, 2) for s in columns]
     assert quoted == computed
+
+
+def test_readme_is_one_screen_of_tour_with_its_two_commands_first():
+    """The README stays a tour (under 1,500 words) and opens with the two
+    commands for a fresh machine: the example, then the tests."""
+    readme = text(ROOT / "README.md")
+    assert len(readme.split()) < 1500, f"README.md has {len(readme.split())} words"
+    commands = re.findall(r"```bash\n(.*?)\n```", readme, re.S)[:2]
+    assert commands[0].startswith("pip install") and "example/zero3/train.py" in commands[0]
+    assert commands[1].startswith("pip install") and commands[1].endswith("python -m pytest -q")
