@@ -1,0 +1,108 @@
+"""What a reader follows to understand one strategy's training step: the
+tiny_zero functions that one steady step runs, counted in lines, by file.
+
+    python tests/reading.py            # a table for every strategy (2 gloo ranks)
+
+A step is model(x), loss.backward(), model.clip_grad_norm_(1.0), opt.step()
+and opt.zero_grad(), on rank 0 of 2 ranks, after two warm-up steps (the first
+records what later ones repeat). A function counts whole, with its
+docstring, once, however often it runs: that is what a reader opens. The
+layers' math (tiny_zero/module) and the collectives (tiny_zero/comm.py)
+count; the wrapping and the checkpoints do not, as the step does not run
+them. docs/diff-guide.md quotes the table, and tests/test_layout.py keeps it
+true.
+"""
+import inspect
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "tiny_zero"
+
+
+class Reached:
+    """The line ranges of the package's functions called while active."""
+
+    def __init__(self):
+        self.codes = set()
+
+    def __enter__(self):
+        sys.setprofile(self.profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+    def profile(self, frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(str(PACKAGE)):
+            self.codes.add(frame.f_code)
+
+    def lines(self):
+        """{file relative to the repository: lines of the functions reached}."""
+        ranges = {}
+        for code in self.codes:
+            if code.co_name == "<module>":
+                continue
+            try:
+                source, first = inspect.getsourcelines(code)
+            except OSError:
+                continue
+            path = str(Path(code.co_filename).relative_to(ROOT))
+            ranges.setdefault(path, set()).update(range(first, first + len(source)))
+        return {path: len(lines) for path, lines in sorted(ranges.items())}
+
+
+def step_lines(name):
+    """{file: lines} that one steady step of strategy `name` reaches on this rank."""
+    import torch
+
+    import tiny_zero
+    from example.model import build_model
+
+    torch.manual_seed(0)
+    wrapper, adamw = tiny_zero.STRATEGIES[name]
+    model = wrapper(build_model("tiny"))
+    opt = adamw(model, lr=1e-3)
+    x = torch.randint(0, 256, (2, 16))
+
+    def step():
+        model(x, x).backward()
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    with Reached() as reached:
+        step()
+    return reached.lines()
+
+
+def every_strategy():
+    import torch.distributed as dist
+
+    import tiny_zero
+    out = {name: step_lines(name) for name in tiny_zero.STRATEGIES}
+    return out if dist.get_rank() == 0 else None
+
+
+def measure():
+    """{strategy: {file: lines}}, from rank 0 of a world of 2."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    from harness import run_world
+    return run_world(2, "reading", "every_strategy")[0]
+
+
+def table(figures):
+    rows = ["| strategy | files | lines | in its folder |", "|---|---:|---:|---:|"]
+    for name, files in figures.items():
+        own = sum(n for f, n in files.items() if f.startswith(f"tiny_zero/{name}/"))
+        rows.append(f"| {name} | {len(files)} | {sum(files.values())} | {own} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    figures = measure()
+    for name, files in figures.items():
+        print(name, files)
+    print(table(figures))
