@@ -120,7 +120,7 @@ def test_gpu_check_script_parses_and_runs_its_steps_in_order(tmp_path):
                             env={**os.environ, "GPU_CHECK_DRY_RUN": "1"}, timeout=60)
     assert result.returncode == 0, result.stderr
     log = (tmp_path / "out" / "gpu_check.log").read_text()
-    steps = ["nvidia-smi", "versions", "cuda-tests", "gpu.py", "profile_gpu.py"]
+    steps = ["nvidia-smi", "versions", "cuda-tests", "gpu.py", "profile_gpu.py", "offload-cuda-tests"]
     assert re.findall(r"^== (\S+) \(at most \d+ s\): ", log, re.MULTILINE) == steps, log
     assert re.findall(r"^(\S+): exit 0", log, re.MULTILINE) == steps, log
 

@@ -1,6 +1,6 @@
 """tiny_zero on one GPU: the AdamW kernel's bandwidth, and GPT-2 training steps.
 
-    python example/benchmark/gpu.py                                  # everything: about 2 minutes on one H100
+    python example/benchmark/gpu.py                                  # everything: about 90 s on one H100
     python example/benchmark/gpu.py --models gpt2 --runs torch ddp   # some of it (torch is always the baseline)
 
 Prints markdown tables:
@@ -55,7 +55,7 @@ from tiny_zero.optim import AdamW, adamw_update_
 
 SIZES = (10**6, 10**7, 10**8, 10**9)
 MODELS = ("gpt2", "gpt2-medium")
-BATCH, SEQ_LEN, WARMUP, STEPS = 8, 1024, 5, 15
+BATCH, SEQ_LEN, WARMUP, STEPS = 8, 1024, 4, 12
 HYPER = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 PEAK_FLOPS = 989e12  # H100 SXM, bf16 dense (tensor cores), from NVIDIA's datasheet
 # Tiny-DeepSpeed's published single-GPU peak memory (their README; their batch and sequence length)

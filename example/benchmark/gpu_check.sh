@@ -4,16 +4,20 @@
 #   bash example/benchmark/gpu_check.sh [OUT]     # OUT: a folder for the log and the traces (default ./gpu_out)
 #
 # In order, each under its own time limit (timeout), all of it logged to OUT/gpu_check.log:
-#   nvidia-smi | the GPU, torch, CUDA and triton versions and the commit | tests/test_cuda.py |
-#   example/benchmark/gpu.py (gpt2 and gpt2-medium) | example/benchmark/profile_gpu.py (its traces into OUT).
+#   nvidia-smi | the GPU, torch, CUDA and triton versions and the commit |
+#   the CUDA tests of tests/test_cuda.py, test_fused.py and test_optim.py |
+#   example/benchmark/gpu.py (gpt2 and gpt2-medium) | example/benchmark/profile_gpu.py (its traces into OUT) |
+#   offload's CUDA tests (tests/test_offload.py, one process each; its gpt2-medium memory case left out for time).
 # A step that fails or runs out of time does not stop the next; the log ends with each
 # step's exit status (124: out of time), and the script exits 1 if any step failed.
-# About 5 minutes on one H100, the first Triton compiles included; at most 7 (the limits' sum).
-# GPU_CHECK_DRY_RUN=1 replaces each step's command by an echo (tests/test_gpu_script.py).
+# About 5 minutes on one H100, the first Triton compiles included; at most 7 minutes (the limits' sum).
+# PYTHON names the interpreter (default python3). GPU_CHECK_DRY_RUN=1 replaces each step's
+# command by an echo (tests/test_gpu_script.py).
 set -u
 OUT=$(mkdir -p "${1:-./gpu_out}" && cd "${1:-./gpu_out}" && pwd)
 cd "$(dirname "$0")/../.."  # the repository's root
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PYTHON=${PYTHON:-python3}
 LOG="$OUT/gpu_check.log"
 : >"$LOG"
 STATUSES=()
@@ -40,11 +44,13 @@ commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=
 print(f"{gpu}; torch {torch.__version__}; CUDA {torch.version.cuda}; triton {triton_version}; "
       f"Python {sys.version.split()[0]}; commit {commit}")'
 
-step nvidia-smi 15 nvidia-smi
-step versions 30 python -c "$VERSIONS"
-step cuda-tests 135 python -m pytest -q -rs --durations=15 tests/test_cuda.py
-step gpu.py 165 python example/benchmark/gpu.py --models gpt2 gpt2-medium
-step profile_gpu.py 75 python example/benchmark/profile_gpu.py --out "$OUT"
+step nvidia-smi 10 nvidia-smi
+step versions 20 "$PYTHON" -c "$VERSIONS"
+step cuda-tests 150 "$PYTHON" -m pytest -q -rs --durations=15 -k cuda tests/test_cuda.py tests/test_fused.py \
+    tests/test_optim.py
+step gpu.py 110 "$PYTHON" example/benchmark/gpu.py --models gpt2 gpt2-medium
+step profile_gpu.py 60 "$PYTHON" example/benchmark/profile_gpu.py --out "$OUT"
+step offload-cuda-tests 70 "$PYTHON" -m pytest -q -rs -k "cuda and not medium" tests/test_offload.py
 
 echo "== exit statuses" | tee -a "$LOG"
 failed=0

@@ -1,6 +1,6 @@
 """Where a GPU step's time goes: torch.profiler over a few steady steps.
 
-    python example/benchmark/profile_gpu.py --out DIR      # gpt2, bf16, batch 8 x 1024: about a minute on one H100
+    python example/benchmark/profile_gpu.py --out DIR      # gpt2, bf16, batch 8 x 1024: under a minute on one H100
 
 For each run (plain torch, single_device, ddp, zero3 and fsdp by default; the
 runs, their loops and their data are example/benchmark/gpu.py's, world 1),
@@ -45,7 +45,7 @@ from example.benchmark.gpu import BATCH, RUNS as GPU_RUNS, SEQ_LEN, build_run, d
 from example.model import build_model
 
 RUNS = ("torch", "single_device", "ddp", "zero3", "fsdp")
-WARMUP, TIMED, PROFILED = 5, 10, 3
+WARMUP, TIMED, PROFILED = 5, 8, 2
 GPU_WORK = {"kernel", "gpu_memcpy", "gpu_memset"}  # the categories of device work in a Kineto trace
 NOT_OPERATORS = {"step", "cudaDeviceSynchronize"}  # the step's own annotation; the drain after it
 TOP_OPS, TOP_KERNELS = 15, 10
