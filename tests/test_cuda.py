@@ -183,8 +183,9 @@ def test_bf16_tracks_fp32(name):
 # ---------------------------------------------------------------- no host wait in a step
 
 PRECISIONS = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# single_device without fp16: tiny_zero.optim.AdamW takes no loss scale (fp16 is a wrapper's mixed_precision)
 SYNC_CASES = [(name, precision) for name in STRATEGIES for precision in PRECISIONS] + \
-    [("single_device", None), ("single_device", "bf16")]  # tiny_zero.optim.AdamW takes no loss scale: fp16 is a wrapper's
+    [("single_device", None), ("single_device", "bf16")]
 
 
 def syncs_allowed(fn):

@@ -78,7 +78,8 @@ def step_summary(trace):
     device_work = [e for e in events if e.get("cat") in GPU_WORK and e["ts"] + e["dur"] >= start]
     end = max([step["ts"] + step["dur"]] + [e["ts"] + e["dur"] for e in device_work])
     kernels = [e for e in device_work if e["cat"] == "kernel"]
-    return {"wall_us": end - start, "host_us": step["dur"], "busy_us": covered([(e["ts"], e["ts"] + e["dur"]) for e in device_work]),
+    busy = covered([(e["ts"], e["ts"] + e["dur"]) for e in device_work])
+    return {"wall_us": end - start, "host_us": step["dur"], "busy_us": busy,
             "kernels": [(e["name"], e["dur"]) for e in kernels]}
 
 
@@ -166,8 +167,8 @@ def print_summary(model, rows):
           "| GPU busy |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['run']} | {r['ms']:.1f} | {r['ms'] / rows[0]['ms']:.2f} | {r['profiled_ms']:.1f} | {r['host_ms']:.1f} "
-              f"| {r['ops_ms']:.1f} | {r['kernels']:.0f} | {r['busy']:.1%} |")
+        print(f"| {r['run']} | {r['ms']:.1f} | {r['ms'] / rows[0]['ms']:.2f} | {r['profiled_ms']:.1f} "
+              f"| {r['host_ms']:.1f} | {r['ops_ms']:.1f} | {r['kernels']:.0f} | {r['busy']:.1%} |")
 
 
 def main(out, model="gpt2", runs=RUNS, batch=BATCH, seq_len=SEQ_LEN, warmup=WARMUP, timed=TIMED,
