@@ -40,7 +40,11 @@ try:
 except ImportError:
     triton_version = "not installed"
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+except OSError:  # no git here
+    commit = ""
+commit = commit or "unknown (no git checkout here)"
 print(f"{gpu}; torch {torch.__version__}; CUDA {torch.version.cuda}; triton {triton_version}; "
       f"Python {sys.version.split()[0]}; commit {commit}")'
 
