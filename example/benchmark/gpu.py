@@ -1,8 +1,9 @@
 """tiny_zero on one GPU: the AdamW kernel's bandwidth, and GPT-2 training steps.
 
-    python example/benchmark/gpu.py
+    python example/benchmark/gpu.py                                  # everything: about 90 s on one H100
+    python example/benchmark/gpu.py --models gpt2 --runs torch ddp   # some of it (torch is always the baseline)
 
-Prints two markdown tables (about a minute on one H100):
+Prints markdown tables:
 
 (1) The fused AdamW update (tiny_zero.optim.adamw_update_, which runs the
     Triton kernel on CUDA) on flat tensors of 1M to 1B elements, in GB/s,
@@ -16,13 +17,15 @@ Prints two markdown tables (about a minute on one H100):
     memory is skipped, with a line saying so.
 
 (2) GPT-2 124M (gpt2) and 350M (gpt2-medium) from example/model.py, bf16, one
-    process (world 1, NCCL): plain torch, tiny_zero's layers on one device,
-    and every strategy in tiny_zero.STRATEGIES. Every run starts from the
-    same weights and trains on the same batch. ms/step is the median of the
-    timed steps (CUDA events), after warm-up steps; MFU and the formula it
-    uses are printed with the table; memory is the peak of
-    torch.cuda.max_memory_allocated over the run, less what was allocated
-    before it.
+    process (world 1, NCCL): plain torch, torch's DDP and FSDP2 (fully_shard
+    per block), tiny_zero's layers on one device, and every strategy in
+    tiny_zero.STRATEGIES. Every run starts from the same weights and trains
+    on the same batch. ms/step is the median of the timed steps (CUDA
+    events), after warm-up steps (the first compiles the Triton kernels);
+    MFU and the formula it uses are printed with the table; memory is the
+    peak of torch.cuda.max_memory_allocated over the run, less what was
+    allocated before it. Each run's time and memory are also given as ratios
+    to plain torch's. A row is printed as soon as it is measured.
 
 On a machine without CUDA it runs too (tests/test_gpu_script.py calls main()
 with tiny sizes there): the update then takes the torch path, times are
@@ -52,7 +55,7 @@ from tiny_zero.optim import AdamW, adamw_update_
 
 SIZES = (10**6, 10**7, 10**8, 10**9)
 MODELS = ("gpt2", "gpt2-medium")
-BATCH, SEQ_LEN, WARMUP, STEPS = 8, 1024, 3, 10
+BATCH, SEQ_LEN, WARMUP, STEPS = 8, 1024, 4, 12
 HYPER = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 PEAK_FLOPS = 989e12  # H100 SXM, bf16 dense (tensor cores), from NVIDIA's datasheet
 # Tiny-DeepSpeed's published single-GPU peak memory (their README; their batch and sequence length)
@@ -242,26 +245,33 @@ def run_model(run, base, x, y, warmup, steps):
     return row
 
 
-def model_table(name, batch, seq_len, warmup, steps):
+def model_table(name, runs, batch, seq_len, warmup, steps):
+    """Measure each run on `name` and print its row at once; torch's, the
+    baseline of the ratios, first."""
+    started = time.perf_counter()
     base = build_model(name)  # fp32 on the CPU; each run takes a copy
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, base.config.vocab_size, (batch, seq_len + 1), generator=gen).to(device())
     x, y = tokens[:, :-1], tokens[:, 1:]
-    return [run_model(run, base, x, y, warmup, steps) for run in RUNS]
-
-
-def print_model_table(name, rows):
-    print(f"\n{name}: {count_parameters(build_model(name, device='meta')) / 1e6:.1f}M parameters")
+    print(f"\n{name}: {count_parameters(base) / 1e6:.1f}M parameters")
     print("| run | ms/step | tokens/s | MFU | peak memory GB | vs torch (time) | vs torch (memory) "
           "| Tiny-DeepSpeed GB (theirs) | loss at last step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    torch_row = rows[0]
+    torch_row = None
+    for run in runs:
+        row = run_model(run, base, x, y, warmup, steps)
+        torch_row = torch_row or row
+        print_row(name, row, torch_row)
+    print(f"({name}: {time.perf_counter() - started:.0f} s in all)")
+
+
+def print_row(name, r, torch_row):
     theirs = TINY_DEEPSPEED_GB.get(name)
-    for r in rows:
-        memory = f"{r['peak_gb']:.2f}" if r["peak_gb"] is not None else "n/a"
-        memory_ratio = f"{r['peak_gb'] / torch_row['peak_gb']:.2f}" if r["peak_gb"] is not None else "n/a"
-        print(f"| {r['run']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {memory} "
-              f"| {r['ms'] / torch_row['ms']:.2f} | {memory_ratio} | {theirs if theirs else '-'} | {r['loss']:.4f} |")
+    memory = f"{r['peak_gb']:.2f}" if r["peak_gb"] is not None else "n/a"
+    memory_ratio = f"{r['peak_gb'] / torch_row['peak_gb']:.2f}" if r["peak_gb"] is not None else "n/a"
+    print(f"| {r['run']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {memory} "
+          f"| {r['ms'] / torch_row['ms']:.2f} | {memory_ratio} | {theirs if theirs else '-'} | {r['loss']:.4f} |",
+          flush=True)
 
 
 # ---------------------------------------------------------------- main
@@ -276,7 +286,8 @@ def print_header():
     print(f"{gpu}; torch {torch.__version__}; triton {triton_version}; {datetime.date.today()}")
 
 
-def main(sizes=SIZES, models=MODELS, batch=BATCH, seq_len=SEQ_LEN, warmup=WARMUP, steps=STEPS):
+def main(sizes=SIZES, models=MODELS, runs=RUNS, batch=BATCH, seq_len=SEQ_LEN, warmup=WARMUP, steps=STEPS):
+    runs = ["torch"] + [run for run in runs if run != "torch"]  # the baseline of every ratio
     print_header()
     print("\n(1) AdamW update, GB/s (bytes read + written per second; do_bench median, L2 flushed per call)")
     print_kernel_table(kernel_table(sizes))
@@ -296,11 +307,21 @@ def main(sizes=SIZES, models=MODELS, batch=BATCH, seq_len=SEQ_LEN, warmup=WARMUP
           "allocated before it. Tiny-DeepSpeed GB: their published single-GPU figure, their own batch and "
           f"setup (gpt2-large: {TINY_DEEPSPEED_GB['gpt2-large']} GB), for reference only.")
     for name in models:
-        print_model_table(name, model_table(name, batch, seq_len, warmup, steps))
+        model_table(name, runs, batch, seq_len, warmup, steps)
     if dist.is_initialized():  # the strategies' world-1 process group
         dist.destroy_process_group()
 
 
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=MODELS, metavar="MODEL", help=f"default: {' '.join(MODELS)}")
+    parser.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS, metavar="RUN",
+                        help=f"of {' '.join(RUNS)} (default: all; torch always runs, as the baseline)")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps per run (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per run (default %(default)s)")
+    return parser.parse_args()
+
+
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    main()
+    args = parse_args()
+    main(models=args.models, runs=args.runs, warmup=args.warmup, steps=args.steps)
