@@ -6,6 +6,7 @@ schedule, a group added late; fp32 masters for bf16; torch's state_dict format
 both ways; a parameter whose data is replaced after the flattening."""
 import io
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -93,10 +94,12 @@ def test_one_update_per_group_and_dtype(monkeypatch):
     assert sorted(calls) == sorted([5, model.embed.weight.numel() + model.hidden.weight.numel()])
 
 
-def test_bf16_params_step_fp32_masters_as_an_fp32_run():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the Triton kernel over a flat buffer runs on a GPU"))])
+def test_bf16_params_step_fp32_masters_as_an_fp32_run(device):
     """bf16 params in a flat buffer step their flat fp32 masters: the masters follow
     torch.optim.AdamW on fp32 copies given the same grads, and each param is its master rounded."""
-    low, ref = Tiny(torch.bfloat16), Tiny()
+    low, ref = Tiny(torch.bfloat16).to(device), Tiny().to(device)
     with torch.no_grad():
         for p, q in zip(low.parameters(), ref.parameters()):
             q.copy_(p.float())
@@ -105,7 +108,7 @@ def test_bf16_params_step_fp32_masters_as_an_fp32_run():
     for step in range(5):
         for p, q in zip(low.parameters(), ref.parameters()):
             if p.requires_grad and not (step == 2 and p is low.hidden.bias):
-                q.grad = torch.randn(q.shape, generator=gen).bfloat16().float()
+                q.grad = torch.randn(q.shape, generator=gen).bfloat16().float().to(device)
                 p.grad = q.grad.bfloat16()
         opt.step()
         ref_opt.step()
