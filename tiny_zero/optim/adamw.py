@@ -3,8 +3,8 @@
 `adamw_update_` steps one flat fp32 tensor in place and dispatches to the fused Triton kernel
 (kernel.py, GPU), to plain torch ops (reference.py), or, asked for by name, to torch's own
 fused AdamW kernel (fused.py: the fastest on the CPU, where ZeRO-Offload steps). The ZeRO/FSDP strategies call it directly
-on their flat shards; `AdamW` calls it once per parameter, or, for fp32 parameters on the CPU,
-steps them all at once with the same math in torch's multi-tensor ops (reference.py).
+on their flat shards; `AdamW` makes each param group's parameters views of one flat buffer
+(`Flat`, per dtype and device) and calls it once per buffer.
 
 Triton is imported lazily, only when the Triton path actually runs, so this module works on
 machines where triton is missing or cannot compile.
