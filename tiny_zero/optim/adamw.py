@@ -205,7 +205,8 @@ class AdamW(torch.optim.Optimizer):
         torch.optim.AdamW load here, and the other way round.
     A parameter without a grad in a step is not stepped and keeps its step count, as in torch.
     A parameter that does not require grad at the first step, or has an unusual layout, is stepped
-    on its own.
+    on its own; kernel="fused" steps the flat buffer one parameter at a time (torch's kernel rounds
+    an element by its place in a vector; so it equals torch.optim.AdamW(fused=True) bit for bit).
 
     fp16/bf16 params get an fp32 master copy in state["master"]; the master is stepped and the
     param is written back in the same pass. exp_avg and exp_avg_sq are always fp32.
@@ -268,14 +269,20 @@ class AdamW(torch.optim.Optimizer):
         if flat.low:
             flat.take_writes()
         beta1, beta2 = group["betas"]
+        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], grad_scale=self.grad_scale, kernel=self.kernel)
         for first, end, step in flat.stretches(grads, self.state):
-            span = slice(flat.offsets[first], flat.offsets[end])
-            grad = torch._C._nn.flatten_dense_tensors(grads[first:end])  # one op, a fresh flat grad
-            work = flat.master[span] if flat.low else flat.param[span]
-            adamw_update_(work, grad, flat.exp_avg[span], flat.exp_avg_sq[span], lr=float(group["lr"]),
-                          beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                          step=step, grad_scale=self.grad_scale, param_out=flat.param[span] if flat.low else None,
-                          kernel=self.kernel)
+            if self.kernel == "fused":
+                # torch's fused CPU kernel rounds an element by where it falls in a vector: stepped
+                # per parameter, as torch.optim.AdamW(fused=True) steps them, it agrees bit for bit
+                pieces = [(flat.span(i), grads[i].reshape(-1)) for i in range(first, end)]
+            else:  # one op makes a fresh flat grad of the stretch, and one update steps it
+                span = slice(flat.offsets[first], flat.offsets[end])
+                pieces = [(span, torch._C._nn.flatten_dense_tensors(grads[first:end]))]
+            for span, grad in pieces:
+                work = flat.master[span] if flat.low else flat.param[span]
+                adamw_update_(work, grad, flat.exp_avg[span], flat.exp_avg_sq[span], step=step,
+                              param_out=flat.param[span] if flat.low else None, **hyper)
 
     def step_apart(self, params, group):
         """Step parameters that are not in a flat buffer, one by one (on the CPU in fp32, together)."""
