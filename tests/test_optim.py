@@ -59,9 +59,9 @@ def test_torch_path_matches_torch_adamw():
 
 
 def test_cpu_fp32_params_stepped_together_equal_torch_bitwise():
-    """On the CPU, AdamW steps a group's fp32 parameters at once with multi-tensor ops: bitwise
+    """On the CPU, AdamW steps a group's fp32 parameters at once over their flat buffer: bitwise
     torch.optim.AdamW, each parameter with its own step count (one skips steps: grad None), next
-    to a bf16 parameter stepped alone in the same group."""
+    to a bf16 parameter in a group of its own."""
     ours, ref = make_params(3), make_params(3)
     start = torch.randn(6, generator=torch.Generator().manual_seed(4)).bfloat16()
     low, low_ref = start.clone().requires_grad_(), start.clone().requires_grad_()
@@ -77,7 +77,7 @@ def test_cpu_fp32_params_stepped_together_equal_torch_bitwise():
         ref_opt.step()
     for p, q in zip(ours, ref):
         assert torch.equal(p, q)
-    assert opt.state[ours[1]]["step"].item() == 3 and opt.state[ours[0]]["step"].item() == 6
+    assert opt.state[ours[1]]["step"] == 3 and opt.state[ours[0]]["step"] == 6
     assert torch.allclose(low.float(), low_ref.float(), rtol=2 ** -6, atol=0)  # bf16: within 2 ulps (our fp32 master)
     assert not torch.equal(low.detach(), start)  # it was stepped
 
@@ -195,7 +195,7 @@ def test_state_dict_round_trip_is_bit_identical():
     resumed.load_state_dict(torch.load(buffer))
 
     state = resumed.state[clones[-1]]
-    assert set(state) == {"step", "exp_avg", "exp_avg_sq", "master"} and state["step"].item() == 5
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq", "master"} and state["step"] == 5
     assert state["master"].dtype == state["exp_avg"].dtype == torch.float32
     assert set(resumed.state[clones[0]]) == {"step", "exp_avg", "exp_avg_sq"}  # fp32: no master copy
 

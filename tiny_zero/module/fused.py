@@ -14,7 +14,8 @@ backward (layers.py), in fewer passes over memory.
 Statistics are in fp32 whatever the input dtype, as in the reference. One
 Triton program normalises one row (the last dimension, at most 64K elements);
 in backward each program also sums the weight's (and bias's) grad over a
-block of rows, and those partial sums are added up by torch afterwards.
+block of rows, and those partial sums are added up by torch afterwards, the
+weight's and the bias's in one sum and one cast.
 
 `ENABLED` turns the fast path off everywhere (tests compare the two paths).
 Triton is imported on first use, so this module works where it is missing.
@@ -169,14 +170,18 @@ def _launch_backward(grad_out, x, weight, bias, mean, rstd, needs, rms, cast_fir
     rows = x2.shape[0]
     programs = triton.cdiv(rows, ROWS_PER_PROGRAM)
     dx = torch.empty_like(x2) if needs[0] else None
-    dw_parts = torch.empty(programs, n, dtype=torch.float32, device=x.device)
-    db_parts = torch.empty(programs, n, dtype=torch.float32, device=x.device)
+    parts = torch.empty(2, programs, n, dtype=torch.float32, device=x.device)  # each program's dw, db sums
     with _on(x):
-        backward[(programs,)](dy, x2, _or(weight, x2), _or(mean, rstd), rstd, _or(dx, x2), dw_parts, db_parts,
+        backward[(programs,)](dy, x2, _or(weight, x2), _or(mean, rstd), rstd, _or(dx, x2), parts[0], parts[1],
                               rows, n, float(offset), RMS=rms, HAS_W=weight is not None, NEED_DX=needs[0],
                               CAST_FIRST=cast_first, ROWS=ROWS_PER_PROGRAM, BLOCK=triton.next_power_of_2(n))
-    dw = dw_parts.sum(0).to(weight.dtype) if needs[1] and weight is not None else None
-    db = db_parts.sum(0).to(bias.dtype) if needs[2] and bias is not None else None
+    dw = db = None
+    if weight is not None and (needs[1] or needs[2]):  # one sum over the programs and one cast, for both
+        sums = parts.sum(1).to(weight.dtype)  # the bias shares the weight's dtype (available())
+        dw = sums[0] if needs[1] else None
+        db = sums[1] if needs[2] and bias is not None else None
+    elif needs[2] and bias is not None:
+        db = parts[1].sum(0).to(bias.dtype)
     return (dx.view(x.shape) if dx is not None else None), dw, db
 
 

@@ -150,10 +150,20 @@ class CallbackLayer:
     """The part every custom layer shares: the autograd plumbing and the
     default gradient sink. Mixed into every layer below."""
 
-    # torch.compile runs tiny_zero layers eagerly, as calls between its graphs:
-    # their callbacks hold Python state (buckets, gathers) that a graph cannot
-    @torch.compiler.disable
     def forward(self, x):
+        # torch.compile runs tiny_zero layers eagerly, as calls between its graphs:
+        # their callbacks hold Python state (buckets, gathers) that a graph cannot.
+        # Only then through torch.compiler.disable, whose wrapper costs an eager
+        # call a third of its host time
+        if torch.compiler.is_compiling():
+            return self._forward_eagerly(x)
+        return self._forward(x)
+
+    @torch.compiler.disable
+    def _forward_eagerly(self, x):
+        return self._forward(x)
+
+    def _forward(self, x):
         # the leaf makes the output require grad (an embedding's indices, a first
         # layer's input do not); nothing that requires grad: no backward recorded.
         # The leaf also under torch.no_grad(), where nothing is recorded: a
