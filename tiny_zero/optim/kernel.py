@@ -29,6 +29,12 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _double(hi, lo):
+    """A double from split()'s two halves."""
+    return tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64)
+
+
+@triton.jit
 def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n,
                   decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
                   grad_scale, found_inf, step, lr_hi, lr_lo, log_beta1_hi, log_beta1_lo, log_beta2_hi, log_beta2_lo,
@@ -37,17 +43,16 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n,
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: numel may exceed 2**31
     mask = offs < n
     if FOUND_INF:  # fp16's skip, decided on the device: where it is nonzero nothing is read or written
-        mask = mask & (tl.load(found_inf) == 0)
+        mask = mask & (tl.load(found_inf + tl.zeros([BLOCK], tl.int32)) == 0)  # every lane reads the one value
     if SCALE_IN_MEMORY:  # a 0-d tensor on the device (a clip coefficient): read here, never by the host
         scale = tl.load(grad_scale)
     else:
         scale = grad_scale
     if STEP_IN_MEMORY:  # the step count, on the device (fp16): the bias corrections in fp64, as the host's
         count = tl.load(step).to(tl.float64)
-        lr = lr_hi.to(tl.float64) + lr_lo.to(tl.float64)
-        bias_correction1 = 1.0 - tl.exp(count * (log_beta1_hi.to(tl.float64) + log_beta1_lo.to(tl.float64)))
-        bias_correction2 = 1.0 - tl.exp(count * (log_beta2_hi.to(tl.float64) + log_beta2_lo.to(tl.float64)))
-        step_size = (lr / bias_correction1).to(tl.float32)
+        bias_correction1 = 1.0 - tl.exp(count * _double(log_beta1_hi, log_beta1_lo))  # 1 - beta1 ** count
+        bias_correction2 = 1.0 - tl.exp(count * _double(log_beta2_hi, log_beta2_lo))
+        step_size = (_double(lr_hi, lr_lo) / bias_correction1).to(tl.float32)
         bias_correction2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
 
     p = tl.load(p_ptr + offs, mask=mask)
