@@ -760,7 +760,19 @@ class ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ctx.model.scale_entered = True
-        return grad * ctx.model.scale_tensor(), None
+        return ScaleGrad.times(grad, ctx.model.scale_tensor()), None
+
+    @staticmethod
+    def times(grad, scale):
+        """grad * scale (a 0-d fp32 tensor), multiplied in fp32. On CUDA, an
+        fp16 tensor times a 0-d fp32 one casts the scale to fp16 first, where
+        2**16 (the default scale) is inf; torch's unscale kernel multiplies
+        in fp32 (its found_inf, a scratch here, is not read)."""
+        if grad.dtype != torch.float16:
+            return grad * scale
+        out = grad.clone(memory_format=torch.contiguous_format)
+        torch._amp_foreach_non_finite_check_and_unscale_([out], torch.zeros_like(scale), scale)
+        return out
 
 
 class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
