@@ -34,7 +34,6 @@ torch.optim. Ranks that are about to run different collectives find out
 first (comm.agree) and raise the same error.
 """
 import functools
-import logging
 from collections import namedtuple
 from contextlib import contextmanager
 from itertools import groupby
@@ -53,7 +52,6 @@ from .optim.adamw import check_group, check_hparams, check_options
 from .precision import LossScaler, cast_floating_inputs, param_dtype
 from .state_dicts import OptimizerStateDicts, WrapperStateDicts, param_versions
 
-log = logging.getLogger("tiny_zero")
 
 # Elements [lo, hi) of parameter `name` (flattened; full shape `shape`) are
 # held by this rank at tensor[offset:offset + hi - lo], where `tensor` is one
@@ -829,12 +827,14 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
 
     @property
     def skipped_steps(self):
-        """Steps skipped for an fp16 overflow: counted on the device, read only here."""
-        return int(self.skips.item())
+        """Steps skipped for an fp16 overflow: under fp16 counted on the device,
+        and read (a wait for the device) only here; otherwise a number."""
+        return self.skips if isinstance(self.skips, int) else int(self.skips.item())
 
     @skipped_steps.setter
     def skipped_steps(self, n):
-        self.skips = torch.tensor(float(n), device=self.model.device)
+        fp16 = self.model.loss_scaler is not None
+        self.skips = torch.tensor(float(n), device=self.model.device) if fp16 else int(n)
 
     def _groups(self, params):
         """torch-style groups, with names turned into the module's parameters."""
