@@ -53,28 +53,43 @@ def caller():
 
 def strategy_steps(strategies, precisions):
     """Worker: every strategy's steady-state steps (two micro-batches, the
-    first under no_sync, then a clip, the step, zero_grad) under HostReads;
-    returns the reads, which must be none."""
+    first under no_sync, then on alternate steps a clip, the step, zero_grad)
+    under HostReads; returns the reads, which must be none. Under fp16 one
+    measured step overflows (an inf loss on the last rank) and must be
+    skipped, which the host learns only when it asks, after the steps."""
+    import torch.distributed as dist
     import tiny_zero
     from semantics_checks import LoopNet, global_batch, my_rows
+    from tiny_zero.precision import LossScaler
     found = []
     for name in strategies:
         for precision in precisions:
             wrapper, optimizer = tiny_zero.STRATEGIES[name]
             torch.manual_seed(0)
-            model = wrapper(LoopNet(), mixed_precision=precision)
+            options = {"loss_scaler": LossScaler(init_scale=2**8)} if precision == "fp16" else {}
+            model = wrapper(LoopNet(), mixed_precision=precision, **options)
             opt = optimizer(model, lr=1e-2)
-            for step in range(4):
+            for step in range(6):
                 batches = [my_rows(global_batch(step, micro)) for micro in range(2)]
                 seeds = [p for _, p in model.module.named_parameters()] + list(model.shards) + \
                     list(model.grads.values()) + [t for batch in batches for t in batch]
                 with HostReads(seeds) if step >= 2 else nullcontext() as reads:  # the first two warm up
                     for micro, (x, y) in enumerate(batches):
                         with model.no_sync() if micro == 0 else nullcontext():
-                            model.backward(model(x, y))
-                    model.clip_grad_norm_(1.0)
+                            loss = model(x, y)
+                            if precision == "fp16" and step == OVERFLOW and dist.get_rank() == dist.get_world_size() - 1:
+                                loss = loss * float("inf")
+                            model.backward(loss)
+                    if step % 2 == 0:
+                        model.clip_grad_norm_(1.0)
                     opt.step()
                     opt.zero_grad()
                 if reads is not None:
                     found += [f"{name} {precision} step {step}: {op} at {line}" for op, line in reads.reads]
+            if precision == "fp16" and (opt.skipped_steps, model.loss_scale) != (1, 2.0**8):
+                found.append(f"{name} fp16: {opt.skipped_steps} steps skipped, loss scale {model.loss_scale}; "
+                             "expected the one overflow skipped, the scale kept (hysteresis 2)")
     return found
+
+
+OVERFLOW = 3  # the fp16 step whose loss is inf on one rank

@@ -73,6 +73,7 @@ def poisoned_step_skips_everywhere(name):
     opt.zero_grad()
     scales = [opt.loss_scale]
     before = model.full_state_dict()
+    opt_before = opt.state_dict()
     for step in (1, 2):
         loss = model(*my_batch(step))
         if dist.get_rank() == 1:
@@ -83,10 +84,20 @@ def poisoned_step_skips_everywhere(name):
         scales.append(opt.loss_scale)
     after = model.full_state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
+    changed += optimizer_state_changes(opt_before, opt.state_dict())  # moments and step counts too
     model.backward(model(*my_batch(3)))  # and training goes on
     opt.step()
     moved = [k for k in after if not torch.equal(after[k], model.full_state_dict()[k])]
+    steps = {value["step"].item() for key, value in opt.state_dict()["state"].items() if "step" in value}
+    if steps != {2.0}:  # the two skipped steps did not count
+        changed.append(f"step counts {steps} after two steps taken and two skipped")
     return dict(changed=changed, skipped=opt.skipped_steps, scales=scales, moved_after=len(moved))
+
+
+def optimizer_state_changes(before, after):
+    """The entries of opt.state_dict()["state"] that differ."""
+    return [f"{key}.{k}" for key, value in before["state"].items() for k, v in value.items()
+            if not torch.equal(v, after["state"][key][k])]
 
 
 class UntiedNet(nn.Module):

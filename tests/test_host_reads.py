@@ -1,6 +1,7 @@
 """A steady-state step reads no value of the model's data on the host (on a
 GPU each such read waits for the device to drain its queue): every strategy,
-fp32 and bf16, with accumulation (no_sync) and clipping, under HostReads
+fp32, bf16 and fp16 (a step that overflows and is skipped among them), with
+accumulation (no_sync), with and without clipping, under HostReads
 (tests/host_reads.py), which follows the model's data through every op.
 torch's own loop (clip_grad_norm_, AdamW(fused=True), GradScaler under fp16)
 is the control: it reads nothing either, and a loss.item() is caught."""
@@ -43,5 +44,5 @@ def test_torch_loop_reads_nothing_on_the_host(precision):
 
 
 def test_strategy_steps_read_nothing_on_the_host():
-    found = run_world(2, "host_reads", "strategy_steps", STRATEGIES, [None, "bf16"])
+    found = run_world(2, "host_reads", "strategy_steps", STRATEGIES, [None, "bf16", "fp16"])
     assert found == [[], []], "\n".join(found[0] or found[1])

@@ -69,5 +69,5 @@ def test_overflow_at_min_scale_raises():
     scaler = LossScaler(init_scale=2, window=1000, hysteresis=1, min_scale=1)
     scaler.update(True)
     assert scaler.scale == 1
-    with pytest.raises(FloatingPointError, match="minimum loss scale"):
+    with pytest.raises(RuntimeError, match="minimum loss scale"):  # torch._assert_async: the device decides
         scaler.update(True)

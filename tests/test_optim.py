@@ -359,3 +359,56 @@ def test_a_bf16_parameter_written_in_place_keeps_the_write():
         runs.append([opt.state[p]["master"] for p in (lin.weight, lin.bias)])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert runs[0][0][~mask].abs().max() <= 1e-2 * 1.001  # one AdamW step from 0
+
+
+def skip_and_step_in_memory_case(n, device, kernel):
+    """fp16's arguments, on the device: found_inf nonzero writes nothing (param,
+    moments, param_out bit-unchanged, even with inf/nan grads); a step count
+    read from a 0-d tensor (STEP_IN_MEMORY on Triton) steps as the host's
+    number does; found_inf zero changes nothing."""
+    g = torch.Generator().manual_seed(3)
+    p0, m0 = torch.randn(n, generator=g) * 0.5, torch.randn(n, generator=g) * 0.1
+    v0, grad = torch.rand(n, generator=g) * 0.01, torch.randn(n, generator=g)
+    bad = grad.clone()
+    bad[::3] = float("inf")
+    bad[1::3] = float("nan")
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    results = []
+    for in_memory in (False, True):
+        p, m, v = (t.clone().to(device) for t in (p0, m0, v0))
+        out = torch.zeros(n, dtype=torch.float16, device=device)
+        count = torch.zeros((), device=device)
+        for step, found in ((1, 0.0), (2, 1.0), (2, 0.0), (3, 1.0), (3, 0.0)):
+            count.fill_(step)
+            before = [t.clone() for t in (p, m, v, out)]
+            adamw_update_(p, (bad if found else grad).to(device, torch.float16), m, v, **hp,
+                          step=count if in_memory else step, grad_scale=torch.tensor(0.5, device=device),
+                          param_out=out, kernel=kernel, found_inf=torch.tensor(found, device=device))
+            if found:
+                assert all(torch.equal(a, b) for a, b in zip(before, (p, m, v, out))), (kernel, step)
+            else:
+                assert not torch.equal(before[0], p), (kernel, step)
+        results.append((p, m, v))
+    p, m, v = (t.clone().to(device) for t in (p0, m0, v0))  # the same three steps, with no found_inf at all
+    for step in (1, 2, 3):
+        adamw_update_(p, grad.to(device, torch.float16), m, v, **hp, step=step, grad_scale=0.5, kernel="torch")
+    for ours in results:
+        for what, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, (p, m, v)):
+            assert (a - b).abs().max().item() <= 1e-6, (kernel, what)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fused"])
+def test_found_inf_and_step_in_memory(kernel):
+    skip_and_step_in_memory_case(37, "cpu", kernel)
+
+
+def test_found_inf_and_step_in_memory_triton():
+    """In Triton's interpreter (a subprocess, as above) and, where there is one, on a GPU."""
+    pytest.importorskip("triton")
+    run_python("""
+        import tests.test_optim as t
+        from tiny_zero.optim import kernel
+        t.skip_and_step_in_memory_case(kernel.BLOCK + 3, "cpu", "triton")
+    """, TRITON_INTERPRET="1")
+    if torch.cuda.is_available():
+        skip_and_step_in_memory_case(3 * 1024 + 17, "cuda", "triton")

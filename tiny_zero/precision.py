@@ -48,36 +48,65 @@ class LossScaler:
     On an overflow (inf/nan in any rank's grads) the step is skipped. The
     first `hysteresis - 1` overflows in a row leave the scale alone; after
     that each one halves it (never below min_scale; an overflow at min_scale
-    raises). After `window` steps without overflow the scale doubles and the
-    hysteresis is restored."""
+    is an error). After `window` steps without overflow the scale doubles and
+    the hysteresis is restored.
+
+    The scale, the hysteresis left and the steps since the last overflow are
+    0-d tensors on the grads' device, updated there, as torch's GradScaler
+    keeps its scale: the host never waits to learn whether a step overflowed.
+    Reading `scale` (a number) or state_dict() reads them."""
 
     def __init__(self, init_scale=2.0**16, window=1000, hysteresis=2, min_scale=1.0):
-        self.scale = float(init_scale)
         self.window = window
         self.hysteresis = hysteresis
         self.min_scale = float(min_scale)
-        self.hysteresis_left = hysteresis
-        self.iteration = 0
-        self.last_overflow = -1
+        self.iteration = 0  # updates so far: the host knows every one happened
+        self.set_state(float(init_scale), hysteresis, since_overflow=1, device="cpu")
 
-    def update(self, overflow):
-        if overflow:
-            if self.hysteresis_left <= 1:
-                if self.scale <= self.min_scale:
-                    raise FloatingPointError(
-                        f"fp16 gradients overflow even at the minimum loss scale {self.min_scale}: "
-                        "the loss or the model diverged (try a lower learning rate, or bf16)")
-                self.scale = max(self.scale / 2, self.min_scale)
-            else:
-                self.hysteresis_left -= 1
-            self.last_overflow = self.iteration
-        elif (self.iteration - self.last_overflow) % self.window == 0:
-            self.hysteresis_left = self.hysteresis
-            self.scale *= 2
+    def set_state(self, scale, hysteresis_left, since_overflow, device):
+        self.tensor = torch.tensor(float(scale), device=device)  # the scale itself (ScaleGrad multiplies by it)
+        self.hysteresis_left = torch.tensor(float(hysteresis_left), device=device)
+        # iteration - the iteration of the last overflow (-1 before any): the window counts from it
+        self.since_overflow = torch.tensor(float(since_overflow), device=device)
+
+    def on(self, device):
+        """The scale, a 0-d fp32 tensor on `device`, where the state moves on first use."""
+        if self.tensor.device != device:
+            self.set_state(self.scale, float(self.hysteresis_left), float(self.since_overflow), device)
+        return self.tensor
+
+    @property
+    def scale(self):
+        return self.tensor.item()  # a host read: for whoever asks, never the step
+
+    @torch.no_grad()
+    def update(self, found_inf):
+        """After a step: found_inf, a 0-d tensor (nonzero: some grad was not
+        finite) or a bool. Tensor ops only; nothing is read on the host."""
+        overflow = torch.as_tensor(found_inf, device=self.tensor.device) != 0
+        halve = overflow & (self.hysteresis_left <= 1)
+        # DeepSpeed raises here; the device cannot, so it asserts (at once on the CPU; on CUDA the
+        # assert fails the process at the device's next sync)
+        torch._assert_async(~(halve & (self.tensor <= self.min_scale)),
+                            f"fp16 gradients overflow even at the minimum loss scale {self.min_scale}: "
+                            "the loss or the model diverged (try a lower learning rate, or bf16)")
+        grow = ~overflow & (self.since_overflow % self.window == 0)
+        self.tensor.copy_(torch.where(halve, torch.clamp(self.tensor / 2, min=self.min_scale),
+                                      torch.where(grow, self.tensor * 2, self.tensor)))
+        self.hysteresis_left.copy_(torch.where(grow, float(self.hysteresis),
+                                               torch.where(overflow & ~halve, self.hysteresis_left - 1,
+                                                           self.hysteresis_left)))
+        self.since_overflow.copy_(torch.where(overflow, 1.0, self.since_overflow + 1))
         self.iteration += 1
 
     def state_dict(self):
-        return dict(vars(self))
+        """Host numbers, as DeepSpeed's scaler keeps them (a save may read the device)."""
+        return dict(scale=self.scale, window=self.window, hysteresis=self.hysteresis, min_scale=self.min_scale,
+                    hysteresis_left=int(self.hysteresis_left), iteration=self.iteration,
+                    last_overflow=self.iteration - int(self.since_overflow))
 
     def load_state_dict(self, state):
-        vars(self).update(state)
+        self.window, self.hysteresis, self.min_scale = state["window"], state["hysteresis"], state["min_scale"]
+        self.iteration = state["iteration"]
+        self.set_state(state["scale"], state["hysteresis_left"], self.iteration - state["last_overflow"],
+                       self.tensor.device)

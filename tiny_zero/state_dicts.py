@@ -200,33 +200,35 @@ class OptimizerStateDicts:
         """exp_avg, exp_avg_sq (their slices for this piece; None before the
         first step) and the step count of piece's parameter: what a checkpoint
         keeps."""
-        p = dict(self.model.named_params)[piece.name]
+        i = self.index_of[id(dict(self.model.named_params)[piece.name])]
         state = self.state.get(piece.tensor, {})
         place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
         moments = [state[k][place] if k in state else None for k in ("exp_avg", "exp_avg_sq")]
-        return moments[0], moments[1], float(self.state[p]["step"]) if "step" in self.state.get(p, {}) else 0.0
+        return moments[0], moments[1], float(self.count(i))
 
     def load_piece_state(self, piece, exp_avg, exp_avg_sq, step):
-        p = dict(self.model.named_params)[piece.name]
+        i = self.index_of[id(dict(self.model.named_params)[piece.name])]
         place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
         m, v = self.moments(piece.tensor)
         m[place], v[place] = exp_avg, exp_avg_sq
-        self.step_count(p).fill_(step)
+        self.set_count(i, step)
 
     def state_dict(self):
         """This rank's state (its shards' moments, the step counts) and the
         param groups, marked with the strategy, rank and world size that made
         it: it loads only there (tiny_zero.checkpoint saves and loads across
-        strategies and world sizes)."""
+        strategies and world sizes). A parameter's count is torch's
+        state["step"], a float32 CPU scalar, made here (under fp16 read
+        from the device), for each parameter that has stepped or been loaded."""
         model = self.model
-        names = model.param_names()
         shard_index = {id(s): i for i, s in enumerate(model.shards)}
         state = {}
         for key, value in self.state.items():
             if id(key) in shard_index:
                 state[f"shard{shard_index[id(key)]}"] = {k: v.clone() for k, v in value.items()}
-            elif key in names:
-                state[names[key]] = {k: v.clone() for k, v in value.items()}
+        for i, (name, _) in enumerate(model.named_params):
+            if self.stamps[i]:
+                state[name] = {"step": torch.tensor(float(self.count(i)))}
         return {"state": state, "param_groups": self.named_param_groups(), "skipped_steps": self.skipped_steps,
                 "made_by": self.made_by()}
 
@@ -269,8 +271,11 @@ class OptimizerStateDicts:
         self.load_param_groups(state_dict["param_groups"])
         by_name = dict(model.named_params)
         for key, value in state_dict["state"].items():
-            target = model.shards[int(key[5:])] if key.startswith("shard") else by_name[key]
-            self.state[target] = {k: v.to(target.device if k != "step" else "cpu").clone() for k, v in value.items()}
+            if key.startswith("shard"):
+                target = model.shards[int(key[5:])]
+                self.state[target] = {k: v.to(target.device).clone() for k, v in value.items()}
+            else:
+                self.set_count(self.index_of[id(by_name[key])], float(value["step"]))
         self.skipped_steps = state_dict.get("skipped_steps", 0)
 
 

@@ -34,7 +34,6 @@ torch.optim. Ranks that are about to run different collectives find out
 first (comm.agree) and raise the same error.
 """
 import functools
-import logging
 from collections import namedtuple
 from contextlib import contextmanager
 from itertools import groupby
@@ -53,7 +52,6 @@ from .optim.adamw import check_group, check_hparams, check_options
 from .precision import LossScaler, cast_floating_inputs, param_dtype
 from .state_dicts import OptimizerStateDicts, WrapperStateDicts, param_versions
 
-log = logging.getLogger("tiny_zero")
 
 # Elements [lo, hi) of parameter `name` (flattened; full shape `shape`) are
 # held by this rank at tensor[offset:offset + hi - lo], where `tensor` is one
@@ -682,7 +680,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
         comm.agree("clip_grad_norm_", wait=False, max_norm=comm.value_hash(float(max_norm)))
         self.forget_cleared_grads()
         self.apply_clip()  # a second clip sees the grads of the first, as torch's
-        total_norm = self.grad_square_sum().sqrt() / self.loss_scale
+        total_norm = self.grad_square_sum().sqrt()
+        if self.loss_scaler is not None:
+            total_norm = total_norm / self.scale_tensor()
         self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         return total_norm
 
@@ -716,26 +716,34 @@ class Wrapper(WrapperStateDicts, nn.Module):
 
     @property
     def loss_scale(self):
+        """fp16's loss scale now, a number (a host read: for the user, never the step)."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def scale_tensor(self):
+        """fp16: the loss scale, a 0-d fp32 tensor on the device (LossScaler)."""
+        return self.loss_scaler.on(self.device)
 
     def grad_scale(self):
         """What the optimizer multiplies the grads by: unscale and clip (a
-        number, or a 0-d tensor on the grads' device after a clip)."""
-        if self.clip_coef is None:
-            return 1.0 / self.loss_scale
-        return self.clip_coef / self.loss_scale
+        number, or a 0-d tensor on the grads' device under fp16 or after a clip)."""
+        if self.loss_scaler is not None:
+            scale = self.scale_tensor().reciprocal()
+            return scale if self.clip_coef is None else self.clip_coef * scale
+        return 1.0 if self.clip_coef is None else self.clip_coef
 
     @torch.no_grad()
     def found_overflow(self):
-        """fp16: did any rank get an inf/nan grad? One all-reduce, so every
-        rank agrees on skipping the step."""
+        """fp16: did any rank get an inf/nan grad? A 0-d fp32 tensor on the
+        device, 1.0 or 0.0, after one all-reduce, so that every rank skips
+        alike; the host never reads it (the kernel does: found_inf). None
+        without fp16."""
         if self.loss_scaler is None:
-            return False
+            return None
         bad = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in self.grads.values():
             bad += (~torch.isfinite(g)).sum()
         comm.all_reduce(bad)
-        return bad.item() > 0
+        return (bad > 0).float()
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -750,7 +758,19 @@ class ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ctx.model.scale_entered = True
-        return grad * ctx.model.loss_scale, None
+        return ScaleGrad.times(grad, ctx.model.scale_tensor()), None
+
+    @staticmethod
+    def times(grad, scale):
+        """grad * scale (a 0-d fp32 tensor), multiplied in fp32. On CUDA, an
+        fp16 tensor times a 0-d fp32 one casts the scale to fp16 first, where
+        2**16 (the default scale) is inf; torch's unscale kernel multiplies
+        in fp32 (its found_inf, a scratch here, is not read)."""
+        if grad.dtype != torch.float16:
+            return grad * scale
+        out = grad.clone(memory_format=torch.contiguous_format)
+        torch._amp_foreach_non_finite_check_and_unscale_([out], torch.zeros_like(scale), scale)
+        return out
 
 
 class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
@@ -781,9 +801,40 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         check_hparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(self._groups(params), defaults)
+        # A parameter's index: its place in model.named_params; the step's bookkeeping is by index
+        # (a dict keyed by Parameter objects hashes each one in Python, thousands of times a step).
+        params = [p for _, p in model.named_params]
+        self.index_of = {id(p): i for i, p in enumerate(params)}
+        # Step counts. fp32, bf16: Python ints, as every step the host takes happens. fp16: a skip is
+        # decided on the device, so the counts are a tensor there (where the shards are), advanced by
+        # (1 - found_inf); the kernel reads its run's. `stamps`: a hash of the steps each parameter was
+        # stepped in (equal stamps, equal counts), which groups the runs without reading the counts.
+        self.counts = [0] * len(params)
+        self.stamps = [0] * len(params)
+        device = model.shards[0].device if model.shards else model.device
+        self.device_counts = torch.zeros(len(params), device=device) if model.loss_scaler is not None else None
+        self.masks = {}  # fp16: the stepping parameters' indices -> a 0/1 tensor over the counts
         position = {id(s): i for i, s in enumerate(model.shards)}
-        self._pieces = sorted((p for p in model.all_pieces() if id(p.tensor) in position),
-                              key=lambda p: (position[id(p.tensor)], p.offset))  # in layout order
+        pieces = sorted((p for p in model.all_pieces() if id(p.tensor) in position),
+                        key=lambda p: (position[id(p.tensor)], p.offset))  # in layout order
+        by_name = dict(model.named_params)
+        # (parameter index, shard index, lo, hi) of each piece this rank steps, in layout order
+        self.piece_rows = [(self.index_of[id(by_name[p.name])], position[id(p.tensor)], p.offset,
+                            p.offset + p.hi - p.lo) for p in pieces]
+        self.cached_runs = None  # (the key runs() was computed for, its runs)
+        self.group_key = None  # the param groups that group_index was computed for
+        self.group_index = [None] * len(params)  # each parameter's group (its index), None if none
+
+    @property
+    def skipped_steps(self):
+        """Steps skipped for an fp16 overflow: under fp16 counted on the device,
+        and read (a wait for the device) only here; otherwise a number."""
+        return self.skips if isinstance(self.skips, int) else int(self.skips.item())
+
+    @skipped_steps.setter
+    def skipped_steps(self, n):
+        fp16 = self.model.loss_scaler is not None
+        self.skips = torch.tensor(float(n), device=self.model.device) if fp16 else int(n)
 
     def _groups(self, params):
         """torch-style groups, with names turned into the module's parameters."""
@@ -836,37 +887,61 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         written = model.param_writes()
         stepping = model.stepping(written)
         model.adopt_param_writes(written)  # after the agreement on how many were written
-        overflow = model.found_overflow()
-        if model.loss_scaler is not None:
-            model.loss_scaler.update(overflow)
-        if overflow:
-            self.skipped_steps += 1  # every rank skips: the params stay as they are
-            if model.rank == 0:
-                log.warning("fp16 gradient overflow: step skipped (%d so far), loss scale now %g",
-                            self.skipped_steps, model.loss_scale)
-        else:
-            self._update(stepping, model.grad_scale())
-            model.sync_params()
+        found_inf = model.found_overflow()  # fp16: on the device; every rank skips alike, the host never knows
+        self._update(stepping, model.grad_scale(), found_inf)  # unscaled by the scale the grads were made with
+        if found_inf is not None:
+            model.loss_scaler.update(found_inf)
+            self.skips.add_(found_inf)
+        model.sync_params()
         model.steps += 1
         model.backwards = 0
         return loss
 
-    def _update(self, stepping, grad_scale):
-        for shard, lo, hi, group, step in self.runs(stepping):
+    def _update(self, stepping, grad_scale, found_inf):
+        index_of, group_index = self.index_of, self.update_group_index()
+        stepped = [i for i in (index_of[id(p)] for p in stepping) if group_index[i] is not None]
+        runs = self.runs(stepped)
+        self.advance(stepped, found_inf)
+        for shard_index, lo, hi, group, first in runs:
+            shard = self.model.shards[shard_index]
             beta1, beta2 = group["betas"]
             exp_avg, exp_avg_sq = self.moments(shard)
             out = self.model.working.get(shard)
+            step = self.counts[first] if self.device_counts is None else self.device_counts[first]
             adamw_update_(shard[lo:hi], self.model.grads[shard][lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
                           lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                           weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale,
-                          param_out=None if out is None else out[lo:hi], kernel=self.kernel)
-        group_of = self.group_of()
-        for p in stepping:
-            if p in group_of:
-                self.step_count(p).add_(1)
+                          param_out=None if out is None else out[lo:hi], kernel=self.kernel, found_inf=found_inf)
 
-    def group_of(self):
-        return {p: group for group in self.param_groups for p in group["params"]}
+    def advance(self, stepped, found_inf):
+        """The step counts of the parameters `stepped` (indices) go up by one,
+        before their update reads them; under fp16 on the device, where the
+        step was not skipped, in one op."""
+        stamps, step = self.stamps, self.model.steps
+        for i in stepped:
+            stamps[i] = (stamps[i] * 31 + step + 1) % (1 << 61)
+        if self.device_counts is None:
+            counts = self.counts
+            for i in stepped:
+                counts[i] += 1
+            return
+        key = tuple(stepped)
+        if key not in self.masks:
+            mask = torch.zeros(len(self.counts))
+            mask[list(stepped)] = 1.0
+            self.masks[key] = mask.to(self.device_counts.device)  # once per set of stepping parameters
+        self.device_counts.addcmul_(self.masks[key], 1 - found_inf.to(self.device_counts.device))
+
+    def update_group_index(self):
+        """group_index, recomputed only when the param groups changed."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        if key != self.group_key:
+            self.group_index = [None] * len(self.counts)
+            for g, group in enumerate(self.param_groups):
+                for p in group["params"]:
+                    self.group_index[self.index_of[id(p)]] = g
+            self.group_key = key
+        return self.group_index
 
     def moments(self, shard):
         state = self.state[shard]
@@ -875,31 +950,41 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(shard)
         return state["exp_avg"], state["exp_avg_sq"]
 
-    def step_count(self, p):
-        state = self.state[p]
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0)  # a CPU float32 scalar, as torch keeps it
-        return state["step"]
+    def count(self, i):
+        """Parameter i's step count, a number (under fp16 a host read: for a save)."""
+        return self.counts[i] if self.device_counts is None else float(self.device_counts[i])
 
-    def runs(self, stepping):
-        """(shard, lo, hi, group, step): the stretches of shards to update, one
-        launch each: adjacent pieces of parameters that step now, in the same
-        group, with the same step count. A piece that does not step ends a stretch."""
-        stepping, group_of = set(stepping), self.group_of()
-        param_of = dict(self.model.named_params)
-        keys = []
-        for piece in self._pieces:
-            p = param_of[piece.name]
-            steps = p in stepping and p in group_of
-            keys.append((id(piece.tensor), id(group_of[p]), int(self.step_count(p)) + 1) if steps else None)
+    def set_count(self, i, step):
+        if self.device_counts is None:
+            self.counts[i] = int(step)
+        else:
+            self.device_counts[i] = float(step)
+        self.stamps[i] = (1 << 60) + int(step)  # equal counts, equal stamps: no history to tell them apart
+        self.cached_runs = None
+
+    def runs(self, stepped):
+        """(shard index, lo, hi, group, first parameter's index): the stretches
+        of shards to update, one launch each: adjacent pieces of parameters
+        that step now (indices), in the same group, with the same step count.
+        A piece that does not step ends a stretch. Made again only when the
+        parameters that step, or the groups, change: where the same ones step
+        as last time, their counts all moved together."""
+        key = (tuple(stepped), self.group_key)
+        if self.cached_runs is not None and self.cached_runs[0] == key:
+            return self.cached_runs[1]
+        steps = [False] * len(self.counts)
+        for i in stepped:
+            steps[i] = True
+        stamps, group_index = self.counts if self.device_counts is None else self.stamps, self.group_index
+        keys = [(shard, group_index[i], stamps[i]) if steps[i] else None for i, shard, _, _ in self.piece_rows]
         runs = []
-        for key, same in groupby(zip(keys, self._pieces), key=lambda item: item[0]):
-            if key is None:
+        for run_key, same in groupby(zip(keys, self.piece_rows), key=lambda item: item[0]):
+            if run_key is None:
                 continue
-            pieces = [piece for _, piece in same]
-            first, last = pieces[0], pieces[-1]
-            runs.append((first.tensor, first.offset, last.offset + last.hi - last.lo,
-                         group_of[param_of[first.name]], key[2]))
+            rows = [row for _, row in same]
+            (first, shard, lo, _), hi = rows[0], rows[-1][3]
+            runs.append((shard, lo, hi, self.param_groups[run_key[1]], first))
+        self.cached_runs = (key, runs)
         return runs
 
     def zero_grad(self, set_to_none=True):

@@ -42,15 +42,19 @@ def _check_kernel(kernel):
 
 
 def adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                  grad_scale=1.0, param_out=None, kernel="auto"):
+                  grad_scale=1.0, param_out=None, kernel="auto", found_inf=None):
     """One AdamW step on flat 1-D tensors of equal numel, in place.
 
     param: fp32 (master weights), contiguous. grad: any float dtype; the step uses
     grad.float() * grad_scale (grad_scale: 1/loss_scale times a clipping coefficient; a number, or
     a 0-d fp32 tensor on param's device that the kernel reads itself, so the host never waits for it).
-    exp_avg, exp_avg_sq: fp32, updated in place. step: the step count after incrementing (>= 1).
+    exp_avg, exp_avg_sq: fp32, updated in place. step: the step count after incrementing (>= 1),
+    a number, or a 0-d tensor on param's device that the kernel reads (fp16's counts, which a
+    skipped step does not advance: only the device knows them).
     param_out: optional tensor of the same numel (fp16/bf16/fp32) that receives the updated
     param, cast, in the same pass.
+    found_inf: None, or a 0-d fp32 tensor on param's device (fp16's overflow, as torch's fused
+    AdamW takes it): where it is nonzero the update writes nothing (param, moments, param_out).
     kernel: "auto" (triton when param is on CUDA and triton imports, else torch) | "triton" | "torch"
     | "fused" (torch's fused AdamW kernel, fused.py).
     """
@@ -62,7 +66,7 @@ def adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, we
         raise ValueError("adamw_update_ expects all tensors on the same device")
     if not (param.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32):
         raise ValueError("param, exp_avg and exp_avg_sq must be fp32")
-    if step < 1:
+    if not isinstance(step, torch.Tensor) and step < 1:
         raise ValueError(f"step must be >= 1 (the count after incrementing), got {step}")
 
     if kernel == "auto":
@@ -77,7 +81,7 @@ def adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, we
                                "(set before triton is imported) to run on CPU in Triton's interpreter")
         from .kernel import triton_adamw_update_ as update
     update(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-           weight_decay=weight_decay, step=step, grad_scale=grad_scale, param_out=param_out)
+           weight_decay=weight_decay, step=step, grad_scale=grad_scale, param_out=param_out, found_inf=found_inf)
 
 
 def check_hparams(lr, betas, eps, weight_decay):

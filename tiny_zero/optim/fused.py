@@ -23,8 +23,12 @@ BLOCK = 2**20
 
 
 def fused_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                        grad_scale=1.0, param_out=None):
-    steps = [torch.tensor(float(step), device=param.device)]
+                        grad_scale=1.0, param_out=None, found_inf=None):
+    # the kernel reads the count from a tensor: fp16's counts are one already (a view, on the host here)
+    steps = [step.to(param.device).float() if isinstance(step, torch.Tensor) else
+             torch.tensor(float(step), device=param.device)]
+    if found_inf is not None:  # the kernel skips itself where it is nonzero
+        found_inf = found_inf.to(param.device)
     plain = grad.dtype == torch.float32 and not scales(grad_scale) and param_out is None
     size = max(1, param.numel()) if plain else BLOCK
     for lo in range(0, param.numel(), size):
@@ -34,6 +38,6 @@ def fused_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
             g = g * grad_scale  # out of place, as the reference: never modify the caller's grad
         torch._fused_adamw_([param[block]], [g], [exp_avg[block]], [exp_avg_sq[block]], [], steps,
                             lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                            amsgrad=False, maximize=False)
-        if param_out is not None:
+                            amsgrad=False, maximize=False, found_inf=found_inf)
+        if param_out is not None:  # under found_inf the param is as it was: so is its copy
             param_out[block].copy_(param[block])

@@ -15,18 +15,31 @@ def scales(grad_scale):
 
 
 def torch_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                        grad_scale=1.0, param_out=None):
+                        grad_scale=1.0, param_out=None, found_inf=None):
     """One AdamW step on flat fp32 `param`, `exp_avg`, `exp_avg_sq` (updated in place).
 
     `grad` may be fp32/fp16/bf16; the step uses g = grad.float() * grad_scale.
-    `step` is the step count after incrementing (>= 1). If given, `param_out` receives the new
-    param cast to its own dtype.
+    `step` is the step count after incrementing (>= 1): a number, or a 0-d tensor on the
+    device (fp16's counts, which only the device knows). If given, `param_out` receives the new
+    param cast to its own dtype. Where `found_inf` (a 0-d tensor) is nonzero, nothing changes.
     """
-    # Host-side scalars, once per call.
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2 ** 0.5
+    if found_inf is not None:  # the skip is the device's: step, then put back what was there
+        before = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+        torch_adamw_update_(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                            weight_decay=weight_decay, step=step, grad_scale=grad_scale)
+        skip = found_inf != 0
+        for t, old in zip((param, exp_avg, exp_avg_sq), before):
+            t.copy_(torch.where(skip, old, t))
+        if param_out is not None:
+            param_out.copy_(param)
+        return
+    if isinstance(step, torch.Tensor):  # computed on the device, in fp64 as on the host
+        step = step.double()
+        step_size = -lr / (1 - beta1 ** step)
+        bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+    else:  # Host-side scalars, once per call.
+        step_size = -lr / (1 - beta1 ** step)
+        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
 
     g = grad.float()  # no copy when grad is already fp32
     if scales(grad_scale):
@@ -37,7 +50,10 @@ def torch_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
     exp_avg.lerp_(g, 1 - beta1)                                # m = beta1 * m + (1 - beta1) * g
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)     # v = beta2 * v + (1 - beta2) * g * g
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)  # sqrt(v) / sqrt(bc2) + eps
-    param.addcdiv_(exp_avg, denom, value=-step_size)           # p -= lr / bc1 * m / denom
+    if isinstance(step_size, torch.Tensor):
+        param.addcmul_(exp_avg / denom, step_size.float())     # p -= lr / bc1 * m / denom
+    else:
+        param.addcdiv_(exp_avg, denom, value=step_size)        # p -= lr / bc1 * m / denom
 
     if param_out is not None:
         param_out.copy_(param)
