@@ -708,8 +708,10 @@ class Buckets:
         """A bucket about to be sent: its parts divided by average_over, into
         one flat buffer (zeros where a parameter got no grad, and in the padding)."""
         bucket.grads = grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-        for i, part in bucket.parts.items():
-            torch.div(part, self.average_over, out=self.own_view(grads, i))
+        if bucket.parts:
+            torch._foreach_copy_([self.own_view(grads, i) for i in bucket.parts], list(bucket.parts.values()))
+            if self.average_over > 1:
+                grads.div_(self.average_over)  # the same quotients as part / N, in one pass
         bucket.parts = {}
 
     def own_view(self, buffer, i):

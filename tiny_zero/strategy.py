@@ -99,8 +99,10 @@ class StrategyLayer:
                                "True), then backward again): a strategy sends each layer's grads once per forward, "
                                "as torch DDP does; add the losses and call backward once, or run the forward again")
         ctx.backward_ran = True
-        self.wrapper.backward_started()
-        self.wrapper.skip_to(self)
+        wrapper = self.wrapper
+        if not wrapper.in_backward:  # the pass's first layer backward
+            wrapper.backward_started()
+        wrapper.skip_to(self)
         return super().backward_callback(ctx, grad_out)
 
     def _apply(self, fn, recurse=True):
