@@ -571,29 +571,26 @@ class Buckets:
         stage's, are in none), in their order: what a layer keeps, once."""
         return [i for i in map(self.index.get, map(id, params)) if i is not None]
 
-    def used_in_forward(self, params):
-        self.count_uses(self.indices(params))
+    def used_in_forward(self, params, recorded=False):
+        """forward_uses, for parameters rather than their indices."""
+        self.forward_uses(self.indices(params), recorded)
 
-    def count_uses(self, slots):
-        """A forward used the parameters at these indices: each use's backward is one grad contribution to come."""
+    def forward_uses(self, slots, recorded):
+        """A forward that a backward may follow used the parameters at these
+        indices: each use's backward is one grad contribution to come.
+        `recorded` (autograd recorded it): the ranks agree on those layers,
+        so the parameters are expected on every rank: their buckets are sent
+        in the next backward outside no_sync on every rank, with zeros where
+        no grad came (the layer's output reached this rank's loss, not another's)."""
         pending, waiting, home = self.pending, self.waiting, self.home
+        marks, buckets = self.expected.marks, self.list
         for i in slots:
             if pending[i] == 0:
                 waiting[home[i]] += 1
             pending[i] += 1
-
-    def expect(self, params):
-        self.expect_slots(self.indices(params))
-
-    def expect_slots(self, slots):
-        """Parameters that a forward recorded for backward used, on every rank
-        (the ranks agree on those layers): their buckets are sent in the next
-        backward outside no_sync on every rank, with zeros where no grad came
-        (the layer's output reached this rank's loss, not another's)."""
-        marks, home, buckets = self.expected.marks, self.home, self.list
-        for i in slots:
-            buckets[home[i]].used = True
-            marks[i] = 1
+            if recorded:
+                buckets[home[i]].used = True
+                marks[i] = 1
 
     def missing(self):
         """The expected parameters that got no grad on this rank (a list)."""
@@ -610,7 +607,11 @@ class Buckets:
         if i is None:
             raise RuntimeError("a grad came for a parameter that was frozen (requires_grad=False) when the model "
                                "was wrapped: tiny_zero reads requires_grad once, when wrapping; set it first")
-        left = self.use_done(i)
+        left = self.pending[i]  # use_done(i), inline: once per grad
+        if left > 0:
+            self.pending[i] = left - 1
+            if left == 1:
+                self.waiting[self.home[i]] -= 1
         if has_grad_hook(param):
             held = self.held.get(i)
             self.held[i] = grad if held is None else held.add_(grad)

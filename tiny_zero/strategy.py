@@ -478,10 +478,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
         recomputes, is one too), whose uses only hold its buckets back."""
         if self.in_backward and not in_backward_pass():
             self.in_backward = False  # a backward that raised never reached backward_done
-        self.buckets.count_uses(layer.slots)
+        self.buckets.forward_uses(layer.slots, recorded)
         if recorded:
             self.used.append(layer.index)
-            self.buckets.expect_slots(layer.slots)
 
     def skip_to(self, layer):
         """zero3, fsdp: `layer`'s backward begins where the recorded order
