@@ -1,6 +1,8 @@
-"""tiny_zero.comm.Buckets without a flat buffer (zero2, zero3, fsdp, offload):
+"""tiny_zero.comm.Buckets. Without a flat buffer (zero2, zero3, fsdp, offload),
 a bucket holds the grads made so far, apart, and becomes one flat buffer only
-when it is handed out to be sent."""
+when it is handed out to be sent; with one (ddp, zero1), each parameter's
+place in it is a view made once. What a step tracks per parameter is kept
+by its index."""
 import torch
 
 from tiny_zero.comm import Buckets, buckets_from_runs
@@ -14,7 +16,7 @@ def test_a_bucket_is_flattened_when_sent_and_holds_only_what_was_made_before():
     buckets.used_in_forward([b])  # b is used twice: two grad contributions
 
     assert buckets.add(b, torch.full((2, 2), 1.0)) == []
-    assert bucket.grads is None and set(bucket.parts) == {buckets.index[id(b)]}  # one part (by b's index), no flat buffer yet
+    assert bucket.grads is None and set(bucket.parts) == {buckets.index[id(b)]}  # b's part; no flat buffer yet
     assert buckets.add(a, torch.arange(3.0)) == []  # b still has a use to come
     assert bucket.grads is None
     sent = buckets.add(b, torch.full((2, 2), 2.0))

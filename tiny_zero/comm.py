@@ -557,7 +557,7 @@ class Buckets:
                 b.grads = b.range(flat)
             self.slots = [self.list[k].own_view(self.list[k].grads, p) for k, p in zip(self.home, self.params)]
         self.got_grad = ParamSet(self)  # parameters that got a grad since clear()
-        self.expected = ParamSet(self)  # parameters used by forwards recorded for backward, since clear() or the last step
+        self.expected = ParamSet(self)  # used by forwards recorded for backward, since clear() or the last step
         self.pending = [0] * len(self.params)  # index -> uses whose backward has not run yet
         self.waiting = [0] * len(buckets)  # bucket's place -> its parameters with pending uses
         self.held = {}  # index of a parameter with grad hooks -> the sum of its contributions of this pass so far

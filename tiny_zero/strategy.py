@@ -616,7 +616,8 @@ class Wrapper(WrapperStateDicts, nn.Module):
             grad, before = grads[i], self.assigned.get(i, (None, None))
             if grad is None or grad is self.shown[i] or (grad is before[0] and grad._version == before[1]):
                 continue
-            raise RuntimeError(f"{self.name_of[self.buckets.params[i]]} got a grad from autograd: it was used outside the layer that "
+            name = self.name_of[self.buckets.params[i]]
+            raise RuntimeError(f"{name} got a grad from autograd: it was used outside the layer that "
                                "holds it (as in F.linear(x, layer.weight) or x * norm.weight), where the strategy "
                                "neither gathers it nor sees its grad; use it through its layer (a tied nn.Linear "
                                "head, as GPT-2's), or give the other use a parameter of its own")
