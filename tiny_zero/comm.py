@@ -34,6 +34,8 @@ import time
 import weakref
 import zlib
 from collections import defaultdict
+from itertools import compress
+from operator import gt, or_
 from datetime import timedelta
 
 import torch
@@ -392,8 +394,9 @@ class Bucket:
     of pad_to (so N ranks get equal chunks).
 
     grads   this rank's grads of these parameters, flat (None: none yet)
-    parts   {parameter: its grad}: without a flat buffer, the grads made so far,
-            each as backward made it, flattened into grads when the bucket is sent
+    parts   {index: its grad}, by the parameter's index in Buckets: without a flat
+            buffer, the grads made so far, each as backward made it, flattened
+            into grads when the bucket is sent
     fresh   a grad was added since the bucket was last handed out to be sent
     used    a forward recorded for backward used one of its parameters since then
     handle  the strategy's collective in flight for this bucket (a Pending)
@@ -472,6 +475,44 @@ def buckets_from_runs(runs, pad_to=1):
     return buckets
 
 
+class ParamSet:
+    """A set of the buckets' parameters, one byte each, at its index
+    (Buckets.index): adding, removing and testing a parameter costs one dict
+    lookup by id(), never Tensor.__hash__, a Python function; iterating
+    yields the parameters in the buckets' order."""
+
+    def __init__(self, buckets):
+        self.index, self.params = buckets.index, buckets.params
+        self.marks = bytearray(len(self.params))
+
+    def add(self, p):
+        self.marks[self.index[id(p)]] = 1
+
+    def discard(self, p):
+        i = self.index.get(id(p))
+        if i is not None:
+            self.marks[i] = 0
+
+    def __contains__(self, p):
+        i = self.index.get(id(p))
+        return i is not None and self.marks[i] == 1
+
+    def __iter__(self):
+        return compress(self.params, self.marks)
+
+    def __len__(self):
+        return self.marks.count(1)
+
+    def __bool__(self):
+        return 1 in self.marks
+
+    def update(self, other):
+        self.marks[:] = bytes(map(or_, self.marks, other.marks))
+
+    def clear(self):
+        self.marks[:] = bytes(len(self.marks))
+
+
 class Buckets:
     """A strategy's gradient buckets, and when each may be sent.
 
@@ -481,6 +522,11 @@ class Buckets:
     backward; its grad is final after the last. A bucket may be sent once all
     its parameters are final and every bucket before it was sent, so every
     rank sends the same buckets in the same order.
+
+    Each parameter has an index, its place in the buckets' order (params[i];
+    index: {id(p): i}); what a step tracks per parameter lives in lists and
+    bytearrays at that index, and where it goes in its bucket is worked out
+    once: a backward's bookkeeping costs no Tensor.__hash__.
 
     flat: one buffer that holds every bucket's grads (ddp, zero1: they persist);
     None: a bucket's grads wait apart, as backward makes them (bucket.parts),
@@ -498,43 +544,57 @@ class Buckets:
 
     def __init__(self, buckets, dtype, device, flat=None, average_over=1):
         self.list = buckets
-        self.of = {p: b for b in buckets for p in b.params}
+        self.of = {p: b for b in buckets for p in b.params}  # for lookups when wrapping, not per step
+        self.params = [p for b in buckets for p in b.params]  # index i: params[i]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.home = [k for k, b in enumerate(buckets) for _ in b.params]  # index -> its bucket's place in list
+        self.places = [(b.shapes[p], b.strides[p], b.offsets[p]) for b in buckets for p in b.params]  # own_view's
         self.dtype, self.device, self.flat = dtype, device, flat
         self.average_over = average_over
-        self.slots = {}  # with a flat buffer: each parameter's view of it, made once
+        self.slots = None  # with a flat buffer: each parameter's view of it, made once (by index)
         if flat is not None:
             for b in buckets:
                 b.grads = b.range(flat)
-                self.slots.update((p, b.own_view(b.grads, p)) for p in b.params)
-        self.got_grad = set()  # parameters that got a grad since clear()
-        self.expected = set()  # parameters used by forwards recorded for backward, since clear() or the last step
-        self.pending = defaultdict(int)  # parameter -> uses whose backward has not run yet
-        self.waiting = {b: 0 for b in buckets}  # bucket -> parameters with pending uses
-        self.held = {}  # parameter with grad hooks -> the sum of its contributions of this pass so far
-        self.next = 0  # index of the next bucket to send
+            self.slots = [self.list[k].own_view(self.list[k].grads, p) for k, p in zip(self.home, self.params)]
+        self.got_grad = ParamSet(self)  # parameters that got a grad since clear()
+        self.expected = ParamSet(self)  # used by forwards recorded for backward, since clear() or the last step
+        self.pending = [0] * len(self.params)  # index -> uses whose backward has not run yet
+        self.waiting = [0] * len(buckets)  # bucket's place -> its parameters with pending uses
+        self.held = {}  # index of a parameter with grad hooks -> the sum of its contributions of this pass so far
+        self.next = 0  # place of the next bucket to send
 
     def __iter__(self):
         return iter(self.list)
 
-    def used_in_forward(self, params):
-        for p in params:
-            if p in self.of:
-                if self.pending[p] == 0:
-                    self.waiting[self.of[p]] += 1
-                self.pending[p] += 1
+    def indices(self, params):
+        """The indices of those of `params` in the buckets (frozen ones, another
+        stage's, are in none), in their order: what a layer keeps, once."""
+        return [i for i in map(self.index.get, map(id, params)) if i is not None]
 
-    def expect(self, params):
-        """Parameters that a forward recorded for backward used, on every rank
-        (the ranks agree on those layers): their buckets are sent in the next
-        backward outside no_sync on every rank, with zeros where no grad came
-        (the layer's output reached this rank's loss, not another's)."""
-        for p in params:
-            self.of[p].used = True
-            self.expected.add(p)
+    def used_in_forward(self, params, recorded=False):
+        """forward_uses, for parameters rather than their indices."""
+        self.forward_uses(self.indices(params), recorded)
+
+    def forward_uses(self, slots, recorded):
+        """A forward that a backward may follow used the parameters at these
+        indices: each use's backward is one grad contribution to come.
+        `recorded` (autograd recorded it): the ranks agree on those layers,
+        so the parameters are expected on every rank: their buckets are sent
+        in the next backward outside no_sync on every rank, with zeros where
+        no grad came (the layer's output reached this rank's loss, not another's)."""
+        pending, waiting, home = self.pending, self.waiting, self.home
+        marks, buckets = self.expected.marks, self.list
+        for i in slots:
+            if pending[i] == 0:
+                waiting[home[i]] += 1
+            pending[i] += 1
+            if recorded:
+                buckets[home[i]].used = True
+                marks[i] = 1
 
     def missing(self):
-        """The expected parameters that got no grad on this rank."""
-        return self.expected - self.got_grad
+        """The expected parameters that got no grad on this rank (a list)."""
+        return list(compress(self.params, map(gt, self.expected.marks, self.got_grad.marks)))
 
     def add(self, param, grad, send=True):
         """Add one grad contribution into param's bucket; return the buckets
@@ -543,69 +603,76 @@ class Buckets:
         the sum goes in through its hooks after the last one (as autograd
         sums a leaf's grads before it runs them), or at the end of the
         backward pass (add_held)."""
-        bucket = self.of.get(param)
-        if bucket is None:
+        i = self.index.get(id(param))
+        if i is None:
             raise RuntimeError("a grad came for a parameter that was frozen (requires_grad=False) when the model "
                                "was wrapped: tiny_zero reads requires_grad once, when wrapping; set it first")
-        left = self.use_done(param)
+        left = self.pending[i]  # use_done(i), inline: once per grad
+        if left > 0:
+            self.pending[i] = left - 1
+            if left == 1:
+                self.waiting[self.home[i]] -= 1
         if has_grad_hook(param):
-            held = self.held.get(param)
-            self.held[param] = grad if held is None else held.add_(grad)
+            held = self.held.get(i)
+            self.held[i] = grad if held is None else held.add_(grad)
             if left > 1:  # more contributions to come
                 return []
-            self.take_held(param)
+            self.take_held(i)
         else:
-            self.put(bucket, param, grad)
+            self.put(i, grad)
         return self.ready() if send else []
 
-    def use_done(self, param):
-        """One use of param has had its backward (or skipped it): returns the uses pending before."""
-        left = self.pending[param]
+    def use_done(self, i):
+        """One use of the parameter at index i has had its backward (or skipped
+        it): returns the uses pending before."""
+        left = self.pending[i]
         if left > 0:
-            self.pending[param] = left - 1
+            self.pending[i] = left - 1
             if left == 1:
-                self.waiting[self.of[param]] -= 1
+                self.waiting[self.home[i]] -= 1
         return left
 
     def skip(self, params, send=True):
         """One use of each of `params` whose backward did not come on this
         rank (zero3, fsdp: Wrapper.skip_to): counted done, with no grad;
         returns the buckets that may be sent now, as add."""
-        for param in params:
-            if self.use_done(param) == 1 and param in self.held:  # its last use: what came goes in
-                self.take_held(param)
+        for i in self.indices(params):
+            if self.use_done(i) == 1 and i in self.held:  # its last use: what came goes in
+                self.take_held(i)
         return self.ready() if send else []
 
     def add_held(self):
         """The end of a backward pass: the held grads whose last contribution
         did not come (a use whose output reached no loss) go in now."""
-        for param in list(self.held):
-            self.take_held(param)
+        for i in list(self.held):
+            self.take_held(i)
 
-    def take_held(self, param):
-        """A held grad, summed, goes in through param's hooks."""
-        bucket = self.of[param]
-        run_grad_hooks(param, self.held.pop(param), lambda grad: self.put(bucket, param, grad))
+    def take_held(self, i):
+        """A held grad, summed, goes in through its parameter's hooks."""
+        run_grad_hooks(self.params[i], self.held.pop(i), lambda grad: self.put(i, grad))
 
-    def put(self, bucket, param, grad):
-        """Add `grad` into param's place; returns what this rank holds there now."""
+    def put(self, i, grad):
+        """Add `grad` into the place of the parameter at index i; returns what this rank holds there now."""
+        got = self.got_grad.marks
         if self.flat is None:
-            self.keep_part(bucket, param, grad)
+            place = self.keep_part(i, grad)
         else:
-            slot = self.slots[param]
-            if param in self.got_grad:
-                slot.add_(grad)
+            place = self.slots[i]
+            if got[i]:
+                place.add_(grad)
             else:  # its place holds zeros (since clear()): a copy is the same sum, with one read less
-                slot.copy_(grad)
-        self.got_grad.add(param)
-        bucket.fresh = True
-        return bucket.parts[param] if self.flat is None else self.slots[param]
+                place.copy_(grad)
+        got[i] = 1
+        self.list[self.home[i]].fresh = True
+        return place
 
     def ready(self):
-        out = []
-        while self.next < len(self.list) and self.waiting[self.list[self.next]] == 0:
-            out.append(self.list[self.next])
-            self.next += 1
+        waiting, k = self.waiting, self.next
+        if k == len(waiting) or waiting[k]:  # most grads: the next bucket still waits
+            return []
+        while k < len(waiting) and waiting[k] == 0:
+            k += 1
+        out, self.next = self.list[self.next:k], k
         return self._to_send(out)
 
     def unsent(self):
@@ -615,12 +682,14 @@ class Buckets:
         self.next = len(self.list)
         return self._to_send(rest)
 
-    def keep_part(self, bucket, param, grad):
-        part = bucket.parts.get(param)
+    def keep_part(self, i, grad):
+        bucket = self.list[self.home[i]]
+        part = bucket.parts.get(i)
         if part is None:  # the grad as backward made it, no copy (a new tensor, in the bucket's dtype)
-            bucket.parts[param] = grad.to(self.dtype, memory_format=torch.contiguous_format)
+            part = bucket.parts[i] = grad.to(self.dtype, memory_format=torch.contiguous_format)
         else:
             part.add_(grad)
+        return part
 
     def _to_send(self, buckets):
         """Those used by a recorded forward or given a grad since they were
@@ -639,10 +708,17 @@ class Buckets:
     def flatten(self, bucket):
         """A bucket about to be sent: its parts divided by average_over, into
         one flat buffer (zeros where a parameter got no grad, and in the padding)."""
-        bucket.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-        for p, part in bucket.parts.items():
-            torch.div(part, self.average_over, out=bucket.own_view(bucket.grads, p))
+        bucket.grads = grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+        if bucket.parts:
+            torch._foreach_copy_([self.own_view(grads, i) for i in bucket.parts], list(bucket.parts.values()))
+            if self.average_over > 1:
+                grads.div_(self.average_over)  # the same quotients as part / N, in one pass
         bucket.parts = {}
+
+    def own_view(self, buffer, i):
+        """Bucket.own_view of the parameter at index i, from what was worked out once."""
+        shape, strides, offset = self.places[i]
+        return buffer.as_strided(shape, strides, buffer.storage_offset() + offset)
 
     def wait(self):
         """Wait for every bucket's collective in flight; returns those buckets."""
@@ -655,8 +731,8 @@ class Buckets:
     def end_backward(self):
         """A backward pass is over: the next one counts uses afresh."""
         self.next = 0
-        self.pending.clear()
-        self.waiting = dict.fromkeys(self.list, 0)
+        self.pending = [0] * len(self.params)
+        self.waiting = [0] * len(self.list)
         self.held.clear()
 
     def clear(self, keep_got_grad=False):

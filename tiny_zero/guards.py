@@ -32,9 +32,13 @@ def check_same_model_on_all_ranks(module):
             raise RuntimeError(f"the model differs across ranks (this rank vs rank {rank}): {first}")
 
 
-def parameter_hash(name_of, params):
-    """An integer that names a set of parameters, the same on every rank."""
-    return zlib.crc32("\n".join(sorted(name_of[p] for p in params)).encode())
+def parameter_hash(buckets, params):
+    """An integer that names a set of the buckets' parameters, the same on
+    every rank (whose buckets hold the same parameters in the same order)."""
+    marks = bytearray(len(buckets.params))
+    for i in map(buckets.index.__getitem__, map(id, params)):
+        marks[i] = 1
+    return zlib.crc32(marks)
 
 
 class ShardedGrad(torch.Tensor):

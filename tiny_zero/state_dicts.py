@@ -11,6 +11,7 @@ model and an optimizer, kept apart from one training step's code.
                              rank and world size that made it: it loads only there
 """
 import functools
+from operator import attrgetter, itemgetter
 
 import torch
 import torch.nn as nn
@@ -122,7 +123,10 @@ class WrapperStateDicts:
     def param_writes(self):
         """{name: parameter} for those written in place since the last look
         (their version counters moved)."""
-        return {name: p for name, p in self.named_params if p._version != self.versions[p]}
+        now = param_versions(self.named_params)
+        if now == self.versions:  # the usual: no write, told in one pass in C
+            return {}
+        return {name: p for (name, p), seen, was in zip(self.named_params, now, self.versions) if seen != was}
 
     @torch.no_grad()
     def adopt_param_writes(self, written=None):
@@ -181,9 +185,12 @@ class WrapperStateDicts:
                                "model.module's), before or between steps")
 
 
+_VERSION = attrgetter("_version")
+
+
 def param_versions(named_params):
-    """{parameter: its version counter}, which every in-place write moves."""
-    return {p: p._version for _, p in named_params}
+    """[the version counter of each parameter of named_params], which every in-place write moves."""
+    return list(map(_VERSION, map(itemgetter(1), named_params)))
 
 
 def state_dict_names(module):

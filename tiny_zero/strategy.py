@@ -36,12 +36,14 @@ first (comm.agree) and raise the same error.
 import functools
 from collections import namedtuple
 from contextlib import contextmanager
-from itertools import groupby
+from itertools import compress, groupby, repeat
+from operator import attrgetter, is_, is_not
 
 import torch
 import torch.nn as nn
 
 from . import comm
+from .comm import ParamSet
 from .distributed import init_distributed, local_device
 from .guards import ShardedGrad, check_not_wrapped, check_same_model_on_all_ranks, parameter_hash
 from .materialize import full_value, set_data
@@ -59,6 +61,7 @@ from .state_dicts import OptimizerStateDicts, WrapperStateDicts, param_versions
 # parameter, its own storage. `replicated`: every replica (model.replicas)
 # holds the same piece.
 Piece = namedtuple("Piece", "name shape lo hi tensor offset replicated")
+GRAD, REQUIRES_GRAD = attrgetter("grad"), attrgetter("requires_grad")  # read by map(), over many parameters in C
 
 
 def sequence_hash(numbers):
@@ -77,13 +80,13 @@ class StrategyLayer:
     comm.where names the layer, for the error of a collective that hangs."""
 
     def forward_callback(self, ctx, x):
-        comm.where = f"{self.path} forward"
+        comm.where = self.where_forward
         if expects_backward(ctx):
             self.wrapper.expect_grads(self, recorded(ctx))
         return super().forward_callback(ctx, x)
 
     def backward_callback(self, ctx, grad_out):
-        comm.where = f"{self.path} backward"
+        comm.where = self.where_backward
         if not ctx.param_grads:  # before any collective of this pass: every rank raises alike
             raise RuntimeError(f"{self.path}: torch.autograd.grad (or backward(inputs=...)) through a strategy's "
                                "layers: each layer's backward hands its parameters' grads to the strategy, which "
@@ -94,8 +97,10 @@ class StrategyLayer:
                                "True), then backward again): a strategy sends each layer's grads once per forward, "
                                "as torch DDP does; add the losses and call backward once, or run the forward again")
         ctx.backward_ran = True
-        self.wrapper.backward_started()
-        self.wrapper.skip_to(self)
+        wrapper = self.wrapper
+        if not wrapper.in_backward:  # the pass's first layer backward
+            wrapper.backward_started()
+        wrapper.skip_to(self)
         return super().backward_callback(ctx, grad_out)
 
     def _apply(self, fn, recurse=True):
@@ -163,14 +168,18 @@ class Wrapper(WrapperStateDicts, nn.Module):
         for index, (path, layer) in enumerate(layers):
             layer.__dict__["wrapper"] = self  # a plain attribute, not a submodule
             layer.path, layer.index = path, index
+            layer.where_forward, layer.where_backward = f"{path} forward", f"{path} backward"  # comm.where's
             layer.trained = [p for p in layer.parameters(recurse=False) if p.requires_grad]  # read once, as below
+            layer.slots = []  # their indices in self.buckets, set with it
+        self.callback_layers = [layer for _, layer in layers]
         self.module = module
         self.scale_entered = False  # fp16: the loss scale entered the backward running now (ScaleGrad)
         if self.loss_scaler is not None:
             module.register_forward_hook(self.scale_output)
         self.guard_module_state_dicts()  # model.module.state_dict() and load_state_dict() (state_dicts.py)
         self.named_params = list(module.named_parameters())  # tied parameters appear once
-        self.name_of = {p: name for name, p in self.named_params}
+        self.name_of = {p: name for name, p in self.named_params}  # looked up when wrapping and in errors, not per step
+        self.position = {p: i for i, (_, p) in enumerate(self.named_params)}  # the same
         self.shapes = {name: p.shape for name, p in self.named_params}  # full shapes, before any sharding
         self.trainable = [p for _, p in self.named_params if p.requires_grad]  # read once, here
         self.frozen = [p for _, p in self.named_params if not p.requires_grad]
@@ -188,10 +197,31 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.released_views = {}  # parameter -> its released() view of that zero, made once
         self.in_flight = {}  # zero3, fsdp: unit -> its gather, started ahead of use
         self.order = None  # zero3, fsdp: the GatherOrder of their layers
-        self.shown = {}  # parameter -> what its p.grad shows (grad_attr), made once
-        self.showing = set()  # the parameters whose p.grad backward_done set, until zero_grad
-        self.assigned = {}  # parameter -> (its p.grad, version) set by the user, as a backward began
+        # by a trainable parameter's index in self.buckets (set with it, below):
+        self.shown = []  # index -> what its p.grad shows (grad_attr), made once (None: not yet)
+        self.showing = None  # ParamSet: the parameters whose p.grad backward_done set, until zero_grad
+        self.assigned = {}  # index -> (its p.grad, version) set by the user, as a backward began
         self.versions = param_versions(self.named_params)  # in-place writes move them (adopt_param_writes)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "buckets" and value is not None:
+            self.index_params(value)
+
+    def index_params(self, buckets):
+        """When the strategy sets self.buckets (once, having cut them): every
+        trainable parameter's index is its place in them (Buckets.index), what
+        each layer keeps of its own (layer.slots), and where the step's
+        per-parameter state lives. From here on a step looks no parameter up
+        by its hash."""
+        for layer in self.callback_layers:
+            layer.slots = buckets.indices(layer.trained)
+        self.shown = [None] * len(buckets.params)
+        self.showing = ParamSet(buckets)
+        self.trainable_slots = buckets.indices(self.trainable)  # in self.trainable's order
+        # what p.requires_grad must read at each step: True for the parameters the buckets hold
+        self.checked = self.trainable + self.frozen
+        self.requires = [id(p) in buckets.index for p in self.checked]
 
     # ------------------------------------------------------------ hooks
 
@@ -364,7 +394,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         meta parameters too, whose swapped contents come with a new version
         counter: what adopt_param_writes compares with is read again)."""
         set_data(param, value)
-        self.versions[param] = param._version
+        self.versions[self.position[param]] = param._version
 
     def sharded_grad(self, param):
         """What p.grad shows where the averaged grad is sharded (grad_attr)."""
@@ -446,10 +476,9 @@ class Wrapper(WrapperStateDicts, nn.Module):
         recomputes, is one too), whose uses only hold its buckets back."""
         if self.in_backward and not in_backward_pass():
             self.in_backward = False  # a backward that raised never reached backward_done
-        self.buckets.used_in_forward(layer.trained)
+        self.buckets.forward_uses(layer.slots, recorded)
         if recorded:
             self.used.append(layer.index)
-            self.buckets.expect(layer.trained)
 
     def skip_to(self, layer):
         """zero3, fsdp: `layer`'s backward begins where the recorded order
@@ -506,51 +535,71 @@ class Wrapper(WrapperStateDicts, nn.Module):
         self.refuse_grads_from_autograd()  # before the collectives: every rank raises alike
         if self.syncing:
             self.reduce_grads()  # the strategy: wait, average into model.grads
-            for p in self.buckets.got_grad:
+            got = self.buckets.got_grad
+            for i in compress(range(len(self.shown)), got.marks):
+                p = self.buckets.params[i]
                 if p.grad is None:
-                    p.grad = self.shown_grad(p)
-            self.showing.update(self.buckets.got_grad)
+                    p.grad = self.shown_at(i)
+            self.showing.update(got)
         self.buckets.end_backward()
 
     def shown_grad(self, p):
-        if p not in self.shown:
-            self.shown[p] = self.grad_attr(p)
-        return self.shown[p]
+        return self.shown_at(self.buckets.index[id(p)])
+
+    def shown_at(self, i):
+        """What p.grad shows for the trainable parameter at index i, made once."""
+        shown = self.shown[i]
+        if shown is None:
+            shown = self.shown[i] = self.grad_attr(self.buckets.params[i])
+        return shown
 
     def zero_grad(self, set_to_none=True, params=None):
         """As torch's: p.grad None (or zero), and the wrapper's grads with it,
         for every parameter or those in `params` (an optimizer's: others keep
         accumulating, as in torch)."""
         params = [p for _, p in self.named_params] if params is None else list(params)
-        for p in params:
-            if set_to_none:
+        if set_to_none:
+            for p in params:
                 p.grad = None
-                self.showing.discard(p)
-            elif p.grad is not None and not isinstance(p.grad, ShardedGrad):
-                p.grad.zero_()
-        if set(params).issuperset(self.trainable):
+        else:
+            for p in params:
+                if p.grad is not None and not isinstance(p.grad, ShardedGrad):
+                    p.grad.zero_()
+        slots = set(self.buckets.indices(params))
+        if len(slots) == len(self.shown):  # every trainable parameter
             self.clip_coef = None  # nothing left to clip
             self.clear_grads(set_to_none)
             self.buckets.clear(keep_got_grad=not set_to_none)
             if set_to_none:
+                self.showing.clear()
                 self.averaged.clear()
         else:
-            self.clear_some_grads(set(params), set_to_none)
+            if set_to_none:
+                for i in slots:
+                    self.showing.marks[i] = 0
+            self.clear_some_grads(params, slots, set_to_none)
 
     def forget_cleared_grads(self):
         """A p.grad that backward set and that was set to None since, outside
         zero_grad() (model.module.zero_grad(), or `p.grad = None`, torch's cheap
         zero_grad), clears that grad as in torch: the wrapper's own copy of it
         goes too, which the next backward would otherwise add to."""
-        cleared = [p for p in self.showing if p.grad is None]
-        if cleared:
-            self.zero_grad(params=cleared)
+        if not self.showing:  # zero_grad() since the last backward: nothing shown
+            return
+        shown = list(self.showing)
+        if all(map(is_not, map(GRAD, shown), repeat(None))):  # the test, one pass in C: none cleared
+            return
+        self.zero_grad(params=[p for p in shown if p.grad is None])
 
     def remember_assigned_grads(self):
         """The p.grad tensors that the wrapper did not make, as a backward
         begins (assigned by the user: ddp steps with them, as torch would)."""
-        self.assigned = {p: (p.grad, p.grad._version) for p in self.trainable
-                         if p.grad is not None and p.grad is not self.shown.get(p)}
+        grads = list(map(GRAD, self.buckets.params))
+        if all(map(is_, grads, repeat(None))) or all(map(is_, grads, self.shown)):  # the usual: none assigned
+            self.assigned = {}
+            return
+        self.assigned = {i: (grad, grad._version) for i, (grad, shown) in enumerate(zip(grads, self.shown))
+                         if grad is not None and grad is not shown}
 
     def refuse_grads_from_autograd(self):
         """A p.grad that autograd made or added to in this backward: the
@@ -558,31 +607,38 @@ class Wrapper(WrapperStateDicts, nn.Module):
         x * norm.weight), where no strategy sees its grad, and it would be
         stepped without it (zero3 and fsdp even computed with a released
         parameter there)."""
-        for p in self.trainable:
-            grad, before = p.grad, self.assigned.get(p, (None, None))
-            if grad is None or grad is self.shown.get(p) or (grad is before[0] and grad._version == before[1]):
+        grads = list(map(GRAD, self.buckets.params))
+        if all(map(is_, grads, repeat(None))) or all(map(is_, grads, self.shown)):  # the usual, one pass in C
+            return
+        for i in self.trainable_slots:  # in the model's order: the first such parameter is named
+            grad, before = grads[i], self.assigned.get(i, (None, None))
+            if grad is None or grad is self.shown[i] or (grad is before[0] and grad._version == before[1]):
                 continue
-            raise RuntimeError(f"{self.name_of[p]} got a grad from autograd: it was used outside the layer that "
+            name = self.name_of[self.buckets.params[i]]
+            raise RuntimeError(f"{name} got a grad from autograd: it was used outside the layer that "
                                "holds it (as in F.linear(x, layer.weight) or x * norm.weight), where the strategy "
                                "neither gathers it nor sees its grad; use it through its layer (a tied nn.Linear "
                                "head, as GPT-2's), or give the other use a parameter of its own")
 
     @torch.no_grad()
-    def clear_some_grads(self, params, set_to_none):
-        """zero_grad of some parameters only: their places in model.grads and
-        in the buckets are zeroed (what the others hold stays)."""
+    def clear_some_grads(self, params, slots, set_to_none):
+        """zero_grad of some parameters only (`slots`: the indices of the
+        trainable ones): their places in model.grads and in the buckets are
+        zeroed (what the others hold stays)."""
+        names = {self.name_of[p] for p in params if p in self.name_of}
         for piece in self.all_pieces():
             grads = self.grads.get(piece.tensor)
-            if grads is not None and self.module.get_parameter(piece.name) in params:
+            if grads is not None and piece.name in names:
                 grads[piece.offset:piece.offset + piece.hi - piece.lo].zero_()
-        for p in params & set(self.trainable):
-            bucket = self.buckets.of[p]
+        buckets = self.buckets
+        for i in slots:
+            bucket = buckets.list[buckets.home[i]]
             if bucket.grads is not None:
-                bucket.own_view(bucket.grads, p).zero_()
-            bucket.parts.pop(p, None)
+                buckets.own_view(bucket.grads, i).zero_()
+            bucket.parts.pop(i, None)
             if set_to_none:
-                self.buckets.got_grad.discard(p)
-                self.buckets.expected.discard(p)
+                buckets.got_grad.marks[i] = 0
+                buckets.expected.marks[i] = 0
 
     def stepping(self, written):
         """The parameters the optimizer steps now: those whose p.grad is set,
@@ -590,34 +646,44 @@ class Wrapper(WrapperStateDicts, nn.Module):
         since, leaves it None). Every rank agrees on them, and on how many
         parameters were `written` in place (param_writes) since the last step."""
         self.forget_cleared_grads()
+        if list(map(REQUIRES_GRAD, self.checked)) != self.requires:  # what this rank holds (a stage: its own)
+            p = next(p for p, wanted in zip(self.checked, self.requires) if p.requires_grad != wanted)
+            raise RuntimeError(f"{self.name_of[p]}.requires_grad changed after the model was wrapped: tiny_zero "
+                               "reads it once, when wrapping, to decide what is sent and stepped; set it before "
+                               "wrapping")
+        buckets, got = self.buckets, self.buckets.got_grad.marks
         stepping = []
-        for p in self.trainable + self.frozen:  # what this rank holds (a pipeline stage: its own)
-            name = self.name_of[p]
-            if p.requires_grad != (p in self.buckets.of):
-                raise RuntimeError(f"{name}.requires_grad changed after the model was wrapped: tiny_zero reads it "
-                                   "once, when wrapping, to decide what is sent and stepped; set it before wrapping")
-            if p.grad is None:
+        for i in self.trainable_slots:
+            p = buckets.params[i]
+            grad = p.grad
+            if grad is None:
                 continue
-            if p not in self.buckets.got_grad:
-                raise RuntimeError(f"{name} has a p.grad that tiny_zero's layers did not make (the parameter was "
-                                   "used outside its layer, or p.grad was assigned): it would be ignored")
-            if p.grad is not self.shown_grad(p):
-                self.take_assigned_grad(name, p)
+            if not got[i]:
+                self.refuse_foreign_grad(p)
+            if grad is not self.shown_at(i):
+                self.take_assigned_grad(self.name_of[p], p)
             stepping.append(p)
-        missing = self.buckets.missing()  # got a grad on another rank, or none
+        for p in self.frozen:
+            if p.grad is not None:
+                self.refuse_foreign_grad(p)
+        missing = buckets.missing()  # got a grad on another rank, or none
         if missing and self.quiet_until_backward:  # the check below waits for the next backward: tell by the values
             stepping += self.got_elsewhere(missing, stepping, everyone_missed=None)
-            missing = set()
+            missing = []
         spread = comm.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
                             defer=self.quiet_until_backward,
-                            parameters=parameter_hash(self.param_names(), stepping + list(missing)),
+                            parameters=parameter_hash(buckets, stepping + missing),
                             parameters_written_in_place=len(written), grads_missing=comm.Spread(len(missing)),
-                            grads_missing_named=comm.Spread(parameter_hash(self.param_names(), missing)))
+                            grads_missing_named=comm.Spread(parameter_hash(buckets, missing)))
         if missing:
             (fewest, _), (low, high) = spread["grads_missing"], spread["grads_missing_named"]
             stepping += self.got_elsewhere(missing, stepping, everyone_missed=fewest > 0, all_alike=low == high)
         self.buckets.expected.clear()  # the next step expects the grads of forwards after this one
         return stepping
+
+    def refuse_foreign_grad(self, p):
+        raise RuntimeError(f"{self.name_of[p]} has a p.grad that tiny_zero's layers did not make (the parameter was "
+                           "used outside its layer, or p.grad was assigned): it would be ignored")
 
     def got_elsewhere(self, missing, stepping, everyone_missed, all_alike=False):
         """The parameters of `missing` (a forward on every rank used them; no
@@ -638,6 +704,7 @@ class Wrapper(WrapperStateDicts, nn.Module):
         elif everyone_missed:
             names = self.param_names()
             candidates = sorted(stepping + list(missing), key=names.get)  # the same on every rank (agreed)
+            missing = set(missing)
             flags = torch.tensor([float(p not in missing) for p in candidates], device=self.device)
             comm.all_reduce(flags, group=self.replica_group)
             got = [p for p, n in zip(candidates, flags.tolist()) if p in missing and n > 0]
