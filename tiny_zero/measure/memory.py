@@ -107,14 +107,30 @@ class TensorMemory(TorchDispatchMode):
             self._hooks.__enter__()
         except RuntimeError:
             self._hooks = None
+        self._unpatched_resize = self._see_resizes()
         return super().__enter__()
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._unpatched_resize
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self._hooks = None
         return result
+
+    def _see_resizes(self):
+        """A storage resized in place (zero3's and fsdp's gathered units,
+        FSDP2's, freed by resize_(0) and grown again) runs no op that this
+        mode sees: UntypedStorage.resize_ tells it instead, while the mode is
+        active, as torch's MemTracker does. Returns the resize_ it wraps."""
+        unpatched = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = unpatched(storage, size)
+            self._resized(storage)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        return unpatched
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -236,11 +252,43 @@ class TensorMemory(TorchDispatchMode):
             self.peak = self.current
             self._pending = self._holders is not None
 
-    def _free(self, key):
+    def _resized(self, storage):
+        """After storage.resize_: its bytes are what it holds now. To the
+        listeners a resize is a free of the old bytes and an allocation of
+        the new. A storage not counted yet counts from its first growth."""
+        if storage.device.type == "meta" or self.device_type not in (None, storage.device.type):
+            return
+        key, size = id(storage), storage.nbytes()
+        if key not in self._bytes:
+            if size:
+                self._add(storage)
+            return
+        before = self._bytes[key]
+        if size == before:
+            return
         self._settle()
         for listener in self.listeners:
-            listener(key, -self._bytes[key])
-        self.current -= self._bytes.pop(key)
+            if before:
+                listener(key, -before)
+            if size:
+                listener(key, size)
+        self._bytes[key] = size
+        self.current += size - before
+        self._new_peak()
+
+    def _new_peak(self):
+        """The count grew: a new peak? (PeerMemory extends it.)"""
+        if self.current > self.peak:
+            self.peak = self.current
+            self._pending = self._holders is not None
+
+    def _free(self, key):
+        self._settle()
+        size = self._bytes.pop(key)
+        if size:  # a storage resized to nothing was freed then, for the listeners
+            for listener in self.listeners:
+                listener(key, -size)
+        self.current -= size
 
     def _settle(self):
         """Take the pending peak's breakdown: called just before the live
