@@ -4,8 +4,10 @@ and at the peak, what they were.
 TensorMemory is a TorchDispatchMode. While it is active it sees the outputs of
 every op (forward, backward, optimizer step, collectives). It registers each
 new storage once, so a view never counts again, and subtracts the storage's
-bytes when the storage is freed. Storages that existed before the mode started
-count only when passed to track(). The numbers do not depend on an allocator's
+bytes when the storage is freed. A storage resized in place (resize_, which
+no op shows: zero3's and fsdp's unit buffers, FSDP2's) counts what it holds
+after the resize. Storages that existed before the mode started count only
+when passed to track() or grown by a resize. The numbers do not depend on an allocator's
 caching, so on CPU they are deterministic. On CUDA, cuda_peak and
 cuda_reserved_peak give torch.cuda.max_memory_allocated() and
 max_memory_reserved() as well.
