@@ -46,11 +46,10 @@ class FSDP(Wrapper):
         self.shards = self.fp32_shards([self.slices[u] for u in trainable])  # one per unit: each has its own grads
         self.shard_of = dict(zip(trainable, self.shards))
         self.full, self.views = {}, {}  # unit -> its full buffer; [(parameter, its view of it, released)]
-        if self.gathers:
-            for unit in units:
-                self.make_buffer(unit)
-            self.order = GatherOrder(self.units_of)
-        self.gathered = {}  # unit -> its all-gather, done, while its layers use it
+        for unit in units if self.gathers else ():
+            self.make_buffer(unit)
+        self.order = GatherOrder(self.units_of) if self.gathers else None
+        self.gathered = {}  # unit -> (its buffer, its all-gather), while its layers use it
         self.sending = []  # (unit, reduce-scatter, its averaged grads, the sum) in flight
 
     def keep_slices(self, units):
@@ -88,9 +87,7 @@ class FSDP(Wrapper):
     # ------------------------------------------------------------ gather, free
 
     def unshard(self, layer, training=False, backward=False):
-        """Before a layer computes: the units it uses, all-gathered (started ahead
-        when the order predicted them), and the next unit started. The other
-        layers of a unit find it gathered: a check, and a step along the order."""
+        """Before a layer computes: its units all-gathered, the next one's started."""
         missing = [u for u in self.units_of[layer] if u not in self.gathered]
         self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
         if not missing:
@@ -101,8 +98,7 @@ class FSDP(Wrapper):
         if ahead is not None and ahead not in self.in_flight:
             self.in_flight[ahead] = self.all_gather(ahead)  # STRATEGY: prefetch the next unit while this one computes
         for unit in missing:
-            _, handle = self.gathered[unit]
-            handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
+            self.gathered[unit][1].wait()  # before anything reads the buffer (on CUDA: the stream waits)
             for p, full, _ in self.views[unit]:
                 p.data = full  # the view made once: the parameter shows the gathered values
 
@@ -119,8 +115,7 @@ class FSDP(Wrapper):
             self.free(unit)  # STRATEGY: free behind: the next layer does not use it
 
     def free(self, unit):
-        """The parameters show the released zero again, and the buffer's
-        memory goes (its all-gather was waited for: nothing writes it still)."""
+        """The unit's parameters: released, and their memory gone (all-gather waited for)."""
         del self.gathered[unit]
         for p, _, released in self.views[unit]:
             p.data = released  # reading a freed buffer would read memory that is gone
@@ -128,11 +123,10 @@ class FSDP(Wrapper):
 
     def settle(self):
         """Nothing gathered or in flight outlives a pass (stale after a step)."""
-        for full, handle in self.in_flight.values():
-            handle.wait()  # before its buffer is freed: the all-gather may still write it
-            full.untyped_storage().resize_(0)
+        self.gathered.update(self.in_flight)  # gathered ahead, unused: waited for (it may write), then freed
         self.in_flight.clear()
         for unit in list(self.gathered):
+            self.gathered[unit][1].wait()
             self.free(unit)
 
     # ------------------------------------------------------------ grads

@@ -1,10 +1,8 @@
 """ZeRO-3 layers: around each layer's math, in forward and again in backward,
-its tensors are broadcast from their owners before (the next layer's are
-already on the way) and freed after, except the ones this rank owns; the
-gather and the free happen at a unit's first and last layer, the layers
-between find it gathered. A grad goes into its owner's bucket; a bucket
-whose grads are final is reduced to its owner at once, asynchronously
-(wrapper.py). At world 1 nothing is gathered or freed."""
+its unit is broadcast from the owners before (the next unit is already on
+the way) and freed after, but what this rank owns: at the unit's first layer
+and after its last. A grad goes into its owner's bucket; a bucket whose grads
+are final is reduced to its owner at once, asynchronously (wrapper.py)."""
 from ..module import expects_backward
 from ..strategy import layer_classes
 

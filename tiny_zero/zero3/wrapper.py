@@ -1,22 +1,17 @@
 """ZeRO-3, inter-tensor: each whole parameter tensor is owned by one rank.
 
 A rank holds: the tensors it owns (owner_table below: largest first, each to
-the least-loaded rank, the same table on every rank, computed without
+the least-loaded rank, the same on every rank, computed without
 communication), the trainable ones in one flat buffer (owned), with their
-averaged grads and optimizer state; for each unit (a transformer block by
-default; `units=` picks module classes or names), a buffer for the tensors
-other ranks own, made once, whose memory exists only while the unit's layers
-run, and the next unit's, gathered ahead. Each of those parameters has a view
-of its place in that buffer, made once; it points there while its unit is
-gathered, and at the shared released zero otherwise. An owned tensor is a
-view of what the owner steps, always. At world 1 this rank owns every tensor:
-nothing is gathered, freed or sent.
-Collectives: broadcast of a unit's tensors from each owner, all at once (one
-bucket: the owner's tensors of the unit, side by side in its flat buffer),
-before the unit's first layer runs forward and again before its last layer's
-backward, the next unit's started ahead (unshard); reduce of the same bucket's
-grads to its owner as the unit's backward ends. The owners step their own tensors: nothing is gathered
-after the step.
+averaged grads and optimizer state; per unit (a transformer block by default;
+`units=` picks module classes or names) a buffer for the others' tensors,
+whose memory exists only while the unit's layers run (and the next unit's,
+gathered ahead). At world 1 a rank owns all: nothing is gathered or sent.
+Collectives: broadcast of a unit's tensors from each owner, all at once (its
+bucket: its tensors of the unit, side by side), before the unit's first layer
+runs forward and again before its last layer's backward, the next unit's
+started ahead (unshard); reduce of each bucket's grads to its owner as the
+unit's backward ends. Owners step their tensors: nothing is gathered after.
 """
 import torch
 
@@ -48,12 +43,10 @@ class Zero3(Wrapper):
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
         self.gathers = self.world_size > 1  # world 1: this rank owns every tensor
         self.full, self.sends, self.views = {}, {}, {}  # per unit: see make_buffer
-        if self.gathers:
-            for unit in self.unit_params:
-                self.make_buffer(unit)
-            self.order = GatherOrder(self.units_of)
-        self.gathered = {}  # unit -> its broadcasts, done, while its layers use it
-        self.sending = []  # (bucket, reduce) in flight
+        for unit in self.unit_params if self.gathers else ():
+            self.make_buffer(unit)
+        self.order = GatherOrder(self.units_of) if self.gathers else None
+        self.gathered, self.sending = {}, []  # unit -> (buffer, broadcasts) while its layers use it; (bucket, reduce)
 
     def keep_owned(self, mine):
         """Owners keep (or materialise from meta) their tensors, the trainable
@@ -82,42 +75,29 @@ class Zero3(Wrapper):
             del value  # one full tensor at a time
         return owned
 
-    def owned_range(self, bucket):
-        """A bucket of this rank's, in the owned buffer."""
-        start = self.owned_start[bucket]
-        return self.owned[start:start + bucket.numel]
-
     def make_buffer(self, unit):
-        """Made once per unit. sends: [(the tensor one broadcast fills, or
-        sends from its owner; the owner)], one per bucket (an owner's
-        trainable tensors of the unit, side by side) and one per frozen
-        tensor. full: one buffer for the tensors other ranks own, side by
-        side. views: [(such a parameter, its view of full, released)]. full's
-        memory is let go at once, until the unit is gathered."""
+        """Once per unit: full, a buffer for others' tensors (its memory let go until gathered); sends,
+        [(what a broadcast fills or sends, its owner)], per bucket and frozen tensor; views, [(p, view, released)]."""
         frozen = buckets_from_runs([[p] for p in self.unit_params[unit] if p not in self.buckets.of])
         parts = [(b, self.owner[b.params[0]]) for b in self.unit_buckets[unit] + frozen]
         full = torch.empty(sum(b.numel for b, owner in parts if owner != self.rank), dtype=self.param_dtype,
                            device=self.device)
         sends, views, start = [], [], 0
         for bucket, owner in parts:
-            if owner == self.rank:  # sent from where the owner keeps it: the owned buffer, or the frozen tensor
-                sends.append((self.owned_range(bucket) if bucket in self.owned_start else bucket.params[0].data,
-                              owner))
-                continue
-            flat = full[start:start + bucket.numel]
-            start += bucket.numel
+            at = self.owned_start.get(bucket)  # sent from where it is kept: the owned buffer, or the frozen tensor
+            if owner == self.rank:
+                flat = bucket.params[0].data if at is None else self.owned[at:at + bucket.numel]
+            else:
+                flat, start = full[start:start + bucket.numel], start + bucket.numel
+                views += [(p, bucket.own_view(flat, p), self.released(p)) for p in bucket.params]
             sends.append((flat, owner))
-            views += [(p, bucket.own_view(flat, p), self.released(p)) for p in bucket.params]
         full.untyped_storage().resize_(0)
         self.full[unit], self.sends[unit], self.views[unit] = full, sends, views
 
     # ------------------------------------------------------------ gather, free
 
     def unshard(self, layer, training=False, backward=False):
-        """Before a layer computes: the tensors of the units it uses, from their
-        owners (started ahead when the order predicted them), and the next
-        unit's started. The other layers of a unit find it gathered: a check,
-        and a step along the order."""
+        """Before a layer computes: its units from their owners, the next one's started."""
         missing = [u for u in self.units_of[layer] if u not in self.gathered]
         self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
         if not missing:
@@ -128,15 +108,13 @@ class Zero3(Wrapper):
         if ahead is not None and ahead not in self.in_flight:
             self.in_flight[ahead] = self.broadcast(ahead)  # STRATEGY: prefetch the next unit while this one computes
         for unit in missing:
-            _, handles = self.gathered[unit]
-            for handle in handles:
+            for handle in self.gathered[unit][1]:
                 handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
             for p, full, _ in self.views[unit]:
                 p.data = full  # the view made once: the parameter shows the owner's values
 
     def broadcast(self, unit):
-        """Start a unit's broadcasts, into its buffer grown back to full size
-        (sent from the owned buffer where this rank owns a bucket)."""
+        """Start a unit's broadcasts, into its buffer grown back to full size."""
         full = self.full[unit]
         full.untyped_storage().resize_(full.numel() * full.element_size())  # STRATEGY: memory for others' tensors
         return full, [comm.broadcast(flat, src=owner, async_op=True)  # STRATEGY: owner -> all, each bucket at once
@@ -149,9 +127,7 @@ class Zero3(Wrapper):
             self.free(unit)  # STRATEGY: free behind: the next layer does not use it
 
     def free(self, unit):
-        """The parameters this rank does not own show the released zero again,
-        and the buffer's memory goes (its broadcasts were waited for: nothing
-        writes it still). What this rank owns stays."""
+        """Others' tensors: released, and their memory gone (broadcasts waited for)."""
         del self.gathered[unit]
         for p, _, released in self.views[unit]:
             p.data = released  # reading a freed buffer would read memory that is gone
@@ -159,25 +135,21 @@ class Zero3(Wrapper):
 
     def settle(self):
         """Nothing gathered or in flight outlives a pass (stale after a step)."""
-        for full, handles in self.in_flight.values():
-            for handle in handles:
-                handle.wait()  # before its buffer is freed: a broadcast may still write it
-            full.untyped_storage().resize_(0)
+        self.gathered.update(self.in_flight)  # gathered ahead, unused: waited for (it may write), then freed
         self.in_flight.clear()
         for unit in list(self.gathered):
+            for handle in self.gathered[unit][1]:
+                handle.wait()
             self.free(unit)
 
     # ------------------------------------------------------------ grads
 
     @torch.no_grad()
     def reduce(self, bucket):
-        """Send a bucket whose grads are final to its owner; then finish the
-        one sent before it."""
+        """Send a bucket whose grads are final to its owner; then finish the one sent before it."""
         owner = self.owner[bucket.params[0]]
-        handle = None  # world 1: the bucket is the sum, here at its owner
-        if self.world_size > 1:
-            handle = comm.reduce(bucket.grads, dst=owner, async_op=True)  # STRATEGY: sum at the owner
-        self.sending.append((bucket, handle))
+        handle = comm.reduce(bucket.grads, dst=owner, async_op=True) if self.gathers else None  # STRATEGY: sum
+        self.sending.append((bucket, handle))  # at the owner (world 1: the bucket is the sum, here)
         if len(self.sending) > 1:
             self.finish(*self.sending.pop(0))
 
@@ -263,8 +235,7 @@ def owner_buckets(params, owner, unit_of, bucket_bytes):
 def owner_table(named_shapes, world_size):
     """{name: rank} for [(name, numel), ...], balanced by numel: largest first,
     each to the least-loaded rank (ties to the lower rank, names break size ties)."""
-    load = [0] * world_size
-    owner = {}
+    load, owner = [0] * world_size, {}
     for name, numel in sorted(named_shapes, key=lambda item: (-item[1], item[0])):
         rank = min(range(world_size), key=lambda r: (load[r], r))
         owner[name] = rank
