@@ -187,7 +187,9 @@ class TensorMemory(TorchDispatchMode):
             for category, tensors in held_tensors(*self._holders).items():
                 for s in self._storages(tensors):
                     category_of.setdefault(id(s), category)
-        live = dict(self._bytes)  # a copy: the garbage collector may free storages meanwhile
+        # a copy (the garbage collector may free storages meanwhile), without
+        # those resized to nothing: to the listeners they were freed
+        live = {key: size for key, size in list(self._bytes.items()) if size}
         return {key: category_of.get(key) or ("activations" if self._saved[key] else "other") for key in live}, live
 
     def placement(self):
@@ -285,12 +287,13 @@ class TensorMemory(TorchDispatchMode):
             self._pending = self._holders is not None
 
     def _free(self, key):
+        if not self._bytes[key]:  # resized to nothing: freed then
+            del self._bytes[key]
+            return
         self._settle()
-        size = self._bytes.pop(key)
-        if size:  # a storage resized to nothing was freed then, for the listeners
-            for listener in self.listeners:
-                listener(key, -size)
-        self.current -= size
+        for listener in self.listeners:
+            listener(key, -self._bytes[key])
+        self.current -= self._bytes.pop(key)
 
     def _settle(self):
         """Take the pending peak's breakdown: called just before the live
@@ -359,7 +362,9 @@ def wrapper_held(model, optimizer_state):
     buckets = model.buckets
     temporary = [b.grads for b in buckets if buckets.flat is None and b.grads is not None]
     temporary += [part for b in buckets for part in b.parts.values()]
-    gathered = list(model.in_flight.values())  # the tensors of gathers started ahead
+    # the buffers of gathers started ahead, and of those done (zero3, fsdp: from the start of the
+    # gather, before the parameters point into them)
+    gathered = list(model.in_flight.values()) + list(getattr(model, "gathered", {}).values())
     return {"parameters": [model.working.get(t, t) for t in stored if id(t) not in host]
             + [getattr(model, "flat_params", None), model.nothing],
             "optimizer_state": optimizer_state + masters,
