@@ -2,13 +2,17 @@
 of the parameters zero3 and fsdp gather, measured with TensorMemory through
 forward and backward, against what the strategy may hold at each moment: the
 units of the layer computing, plus the unit gathered ahead (in flight).
-Each returns a list of failures and the most bytes seen gathered."""
+gathered_memory returns a list of failures and the most bytes seen
+gathered; step_counts what a step sends and swaps."""
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import tiny_zero
+from tiny_zero import comm
 from tiny_zero.measure.memory import TensorMemory
 from strategy_checks import global_batch_tokens, gpt_tiny
 
@@ -88,3 +92,66 @@ def unit_bytes(model, unit):
     else:
         numel = unit.numel
     return numel * model.param_dtype.itemsize
+
+
+def step_counts(name, steps=3):
+    """Per step of a tiny GPT: the collectives by kind, the p.data
+    assignments and the storage resizes it made; at world > 1 also what a
+    gather per unit would make (per_unit_gathers), or None at world 1. The
+    first step records the gather order."""
+    torch.manual_seed(0)
+    model = tiny_zero.STRATEGIES[name][0](gpt_tiny())
+    opt = tiny_zero.STRATEGIES[name][1](model, lr=1e-3)
+    x, y = global_batch_tokens()
+    counts = []
+    for _ in range(steps):
+        comm.stats.reset()
+        with counting() as seen:
+            model.backward(model(x, y))
+            opt.step()
+            opt.zero_grad()
+        counts.append(dict(calls=dict(comm.stats.calls), **seen))
+    return counts, per_unit_gathers(model) if dist.get_world_size() > 1 else None
+
+
+@contextmanager
+def counting():
+    """{"data": p.data assignments, "resizes": storage resizes} while inside."""
+    seen = {"data": 0, "resizes": 0}
+    data, resize = torch._C.TensorBase.data, torch.UntypedStorage.resize_
+
+    def set_data(p, value):
+        seen["data"] += 1
+        data.__set__(p, value)
+
+    def counted_resize(storage, size):
+        seen["resizes"] += 1
+        return resize(storage, size)
+    nn.Parameter.data = property(data.__get__, set_data)
+    torch.UntypedStorage.resize_ = counted_resize
+    try:
+        yield seen
+    finally:
+        del nn.Parameter.data
+        torch.UntypedStorage.resize_ = resize
+
+
+def per_unit_gathers(model):
+    """The gathering collectives of a step, and the p.data assignments, when
+    each unit is gathered once per stretch of layers that use it (along the
+    recorded order in forward, back along it in backward), each of its
+    parameters that this rank does not own pointed at the gathered values
+    and back: zero3 broadcasts each owner's bucket and frozen tensor, fsdp
+    all-gathers the unit. units: the gathers of a unit, each with a resize
+    of its buffer up and one back to nothing."""
+    units = gathers = assignments = 0
+    for walk in (model.order.order, model.order.order[::-1]):
+        before = ()
+        for layer in walk:
+            for unit in model.units_of[layer]:
+                if unit not in before:
+                    units += 1
+                    gathers += len(model.sends[unit]) if hasattr(model, "sends") else 1
+                    assignments += 2 * len(model.views[unit])
+            before = model.units_of[layer]
+    return {"units": units, "gathers": gathers, "data": assignments}

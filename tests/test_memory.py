@@ -168,7 +168,13 @@ def test_the_tensor_that_sets_the_peak_is_classified_once_stored():
 
 @pytest.fixture(scope="module")
 def gathered_world2():
-    return run_checks(2, "memory_checks", [(name, "gathered_memory", (name,)) for name in GATHERED])
+    return run_checks(2, "memory_checks", [(name, "gathered_memory", (name,)) for name in GATHERED]
+                      + [(("counts", name), "step_counts", (name,)) for name in GATHERED])
+
+
+@pytest.fixture(scope="module")
+def gathered_world1():
+    return run_checks(1, "memory_checks", [(name, "step_counts", (name,)) for name in GATHERED])
 
 
 @pytest.mark.parametrize("name", GATHERED)
@@ -179,3 +185,25 @@ def test_gathered_parameters_are_one_unit_and_the_next_in_flight(name, gathered_
     failures = [f for rank_failures, _ in gathered_world2[name] for f in rank_failures]
     assert not failures, "\n".join(failures[:20])
     assert all(peak["backward"] > 0 for _, peak in gathered_world2[name])  # it did measure
+
+
+@pytest.mark.parametrize("name", GATHERED)
+def test_world_of_one_gathers_frees_and_sends_nothing(name, gathered_world1):
+    """At world 1 a rank keeps every unit whole: no step (the first, which
+    records the gather order, included) sends a collective, points a
+    parameter elsewhere, or resizes a buffer."""
+    (counts, _), = gathered_world1[name]
+    assert counts == [{"calls": {}, "data": 0, "resizes": 0}] * len(counts)
+
+
+@pytest.mark.parametrize("name", GATHERED)
+def test_a_unit_is_gathered_once_per_use_not_per_layer(name, gathered_world2):
+    """At world 2, after the recording step: each unit's collectives go once
+    each time the order reaches it, in forward and in backward (gpt_tiny's
+    blocks hold several layers each), and each parameter another rank owns
+    or shares is pointed at the gathered values and back, once per gather."""
+    for counts, per_unit in gathered_world2["counts", name]:
+        for step in counts[1:]:
+            gathers = step["calls"].get("broadcast", 0) + step["calls"].get("all_gather", 0)
+            assert (gathers, step["data"]) == (per_unit["gathers"], per_unit["data"]), step
+            assert step["resizes"] == 2 * per_unit["units"], step

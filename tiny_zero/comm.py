@@ -758,10 +758,11 @@ class GatherOrder:
 
     The order in which layers run forward is recorded on the first step that
     trains (a layer called twice appears twice; every rank records the same
-    order). Afterwards, as each layer arrives (forward, or walking the order
-    backwards in backward), `arrive` returns the layers expected after it, so
-    the strategy can gather the next unit ahead, and `next_layer` says which
-    units the coming layer needs, so it can free the others.
+    order). Afterwards each layer `arrive`s (forward, or walking the order
+    backwards in backward); `next_unit` says which unit comes after the ones
+    gathered, so the strategy can gather it ahead, and `still_needed` which
+    units the coming layer uses, so it can free the others. A layer of the
+    unit gathered last costs a step along the order, nothing more.
 
     A forward inside a backward pass is activation checkpointing's recompute
     of the layers whose backward comes next: it leaves the backward walk where
@@ -787,8 +788,7 @@ class GatherOrder:
     def arrive(self, layer, expected, backward=False, training=False):
         """`layer` is about to run (in its backward if `backward`); `expected`:
         what it needs was gathered or started ahead; `training`: a forward
-        that a backward may follow. Returns the layers expected after it,
-        nearest first."""
+        that a backward may follow."""
         in_backward = backward or in_backward_pass()
         if in_backward and self.recording:  # the first backward ends the recording; it walks back from the end
             self.recording = False
@@ -799,15 +799,12 @@ class GatherOrder:
         if self.recording:
             if training:  # only a forward that backward will follow sets the order
                 self.order.append(layer)
-            return []
+            return
         self.backward = in_backward
         if backward:
             self.step_back(layer)
         elif not in_backward:
             self.step_forward(layer)
-        if self.backward:
-            return self.order[self.position - 1::-1] if self.position > 0 else []
-        return self.order[self.position:]
 
     def step_forward(self, layer):
         if self.position < len(self.order) and self.order[self.position] is layer:
@@ -830,14 +827,24 @@ class GatherOrder:
             return self.order[self.position - 1] if self.position > 0 else None
         return self.order[self.position] if self.position < len(self.order) else None
 
-    def next_unit(self, following, gathered):
-        """The first unit the layers in `following` need that is not gathered."""
-        return next((u for layer in following for u in self.units_of[layer] if u not in gathered), None)
+    def next_unit(self, gathered):
+        """The first unit that the layers expected next need and that is not
+        in `gathered` (None: none, or recording, when nothing is predicted)."""
+        if self.recording:
+            return None
+        step = -1 if self.backward else 1
+        i = self.position - 1 if self.backward else self.position
+        while 0 <= i < len(self.order):
+            for unit in self.units_of[self.order[i]]:
+                if unit not in gathered:
+                    return unit
+            i += step
+        return None
 
     def still_needed(self):
         """The units the next layer uses: the others can be freed."""
         layer = self.next_layer()
-        return set(self.units_of[layer]) if layer is not None else set()
+        return self.units_of[layer] if layer is not None else ()
 
 
 def gather_units(module, layers, units):

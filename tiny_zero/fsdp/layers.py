@@ -1,7 +1,9 @@
 """FSDP layers: around each layer's math, in forward and again in backward,
 its unit is all-gathered before (the next layer's is already on the way) and
-freed after. A grad goes into its unit's temporary buffer; a unit whose grads
-are final is reduce-scattered at once, asynchronously (wrapper.py).
+freed after; the gather and the free happen at a unit's first and last layer,
+the layers between find it gathered. A grad goes into its unit's temporary
+buffer; a unit whose grads are final is reduce-scattered at once,
+asynchronously (wrapper.py). At world 1 nothing is gathered or freed.
 
 Compare with ../zero3/layers.py: the same gather, compute, free; only how a
 layer is gathered and where its grads go differ, in wrapper.py."""
@@ -12,16 +14,20 @@ from ..strategy import layer_classes
 class FSDPLayer:
     def forward_callback(self, ctx, x):
         fsdp = self.wrapper
-        fsdp.unshard(self, training=expects_backward(ctx))  # STRATEGY: gather: all-gather the unit
+        if fsdp.gathers:
+            fsdp.unshard(self, training=expects_backward(ctx))  # STRATEGY: gather: all-gather the unit
         y = super().forward_callback(ctx, x)
-        fsdp.reshard(self)  # STRATEGY: free: nothing full is kept for backward
+        if fsdp.gathers:
+            fsdp.reshard(self)  # STRATEGY: free: nothing full is kept for backward
         return y
 
     def backward_callback(self, ctx, grad_out):
         fsdp = self.wrapper
-        fsdp.unshard(self, backward=True)  # STRATEGY: gathered again
+        if fsdp.gathers:
+            fsdp.unshard(self, backward=True)  # STRATEGY: gathered again
         grad_in = super().backward_callback(ctx, grad_out)
-        fsdp.reshard(self)  # STRATEGY: and freed again
+        if fsdp.gathers:
+            fsdp.reshard(self)  # STRATEGY: and freed again
         return grad_in
 
     def accumulate_grad(self, param, grad):

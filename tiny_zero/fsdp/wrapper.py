@@ -5,12 +5,17 @@ module classes or names; a layer outside them is a unit of its own), a 1/N
 slice of its parameters, flattened and padded (trainable and frozen ones
 apart), all its trainable slices in one flat buffer (local), each slice's
 averaged grads (from the unit's reduce-scatter to zero_grad) and optimizer
-state; full parameters only while a unit's layers run, and the next unit's,
-gathered ahead.
-Collectives: all_gather of a unit before its first layer's forward and again
-before its last layer's backward, the next unit's started ahead (unshard);
-reduce_scatter of each unit's grads during backward, once they are final.
-The optimizer steps the slices: nothing is gathered after the step.
+state; a full buffer per unit, made once, whose memory exists only while the
+unit's layers run, and the next unit's, gathered ahead. Each parameter has a
+view of its place in that buffer, made once; it points there while its unit
+is gathered, and at the shared released zero otherwise. At world 1 the slice
+is the whole unit: the parameters are views of it, and nothing is gathered,
+freed or sent.
+Collectives: all_gather of a unit into its buffer before its first layer's
+forward and again before its last layer's backward, the next unit's started
+ahead (unshard); reduce_scatter of each unit's grads during backward, once
+they are final. The optimizer steps the slices: nothing is gathered after
+the step.
 """
 import torch
 
@@ -31,6 +36,7 @@ class FSDP(Wrapper):
         units = flat_units(gather_units(self.module, layers, units), self.world_size)
         unit_of = {p: u for u in units for p in u.params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
+        self.gathers = self.world_size > 1  # world 1: every unit is whole here, its slice
         trainable = [u for u in units if u.params[0].requires_grad]
         self.slices, self.slice_start = {}, {}
         self.local = self.keep_slices(trainable)  # STRATEGY: 1/N of every tensor
@@ -39,14 +45,18 @@ class FSDP(Wrapper):
                                average_over=self.world_size)  # STRATEGY: each unit's / N, as it is flattened to be sent
         self.shards = self.fp32_shards([self.slices[u] for u in trainable])  # one per unit: each has its own grads
         self.shard_of = dict(zip(trainable, self.shards))
-        self.order = GatherOrder(self.units_of)
-        self.gathered = {}  # unit -> (its full flat buffer, the all-gather) while its layers use it
+        self.full, self.views = {}, {}  # unit -> its full buffer; [(parameter, its view of it, released)]
+        for unit in units if self.gathers else ():
+            self.make_buffer(unit)
+        self.order = GatherOrder(self.units_of) if self.gathers else None
+        self.gathered = {}  # unit -> (its buffer, its all-gather), while its layers use it
         self.sending = []  # (unit, reduce-scatter, its averaged grads, the sum) in flight
 
     def keep_slices(self, units):
         """This rank's slice of each unit, in one flat buffer (self.slices[unit]
         is a view of it, starting at self.slice_start[unit]); the full tensors
-        are dropped one at a time."""
+        are dropped one at a time. At world 1 the slice is the unit, and each
+        parameter becomes its view of it for good."""
         size = lambda u: u.numel // self.world_size  # noqa: E731
         local = torch.zeros(sum(size(u) for u in units), dtype=self.param_dtype, device=self.device)
         start = 0
@@ -61,31 +71,41 @@ class FSDP(Wrapper):
                 lo, hi = max(offset, begin), min(offset + n, begin + size(unit))  # p's part in this slice
                 if lo < hi:
                     self.slices[unit][lo - begin:hi - begin] = value.reshape(-1)[lo - offset:hi - offset]
-                self.set_data(p, self.released(p))
+                self.set_data(p, self.released(p) if self.gathers else unit.own_view(self.slices[unit], p))
                 del value  # one full tensor at a time
             start += size(unit)
         return local
 
+    def make_buffer(self, unit):
+        """The unit's full buffer and each parameter's view of it, made once;
+        the buffer's memory is let go at once, until the unit is gathered."""
+        full = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
+        self.views[unit] = [(p, unit.own_view(full, p), self.released(p)) for p in unit.params]
+        full.untyped_storage().resize_(0)
+        self.full[unit] = full
+
     # ------------------------------------------------------------ gather, free
 
     def unshard(self, layer, training=False, backward=False):
-        """Before a layer computes: the units it uses, all-gathered (started ahead
-        when the order predicted them), and the next unit started."""
+        """Before a layer computes: its units all-gathered, the next one's started."""
         missing = [u for u in self.units_of[layer] if u not in self.gathered]
-        following = self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
+        self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
+        if not missing:
+            return
         for unit in missing:
             self.gathered[unit] = self.in_flight.pop(unit, None) or self.all_gather(unit)  # STRATEGY: gather
-        ahead = self.order.next_unit(following, self.gathered)
+        ahead = self.order.next_unit(self.gathered)
         if ahead is not None and ahead not in self.in_flight:
             self.in_flight[ahead] = self.all_gather(ahead)  # STRATEGY: prefetch the next unit while this one computes
         for unit in missing:
-            full, handle = self.gathered[unit]
-            handle.wait()
-            for p in unit.params:
-                p.data = unit.own_view(full, p)
+            self.gathered[unit][1].wait()  # before anything reads the buffer (on CUDA: the stream waits)
+            for p, full, _ in self.views[unit]:
+                p.data = full  # the view made once: the parameter shows the gathered values
 
     def all_gather(self, unit):
-        full = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
+        """Start a unit's all-gather into its buffer, grown back to full size."""
+        full = self.full[unit]
+        full.untyped_storage().resize_(full.numel() * full.element_size())  # STRATEGY: memory for the full unit
         return full, comm.all_gather(full, self.slices[unit], async_op=True)  # STRATEGY: N slices -> full
 
     def reshard(self, layer):
@@ -95,27 +115,33 @@ class FSDP(Wrapper):
             self.free(unit)  # STRATEGY: free behind: the next layer does not use it
 
     def free(self, unit):
+        """The unit's parameters: released, and their memory gone (all-gather waited for)."""
         del self.gathered[unit]
-        for p in unit.params:
-            p.data = self.released(p)  # STRATEGY: free the full unit
+        for p, _, released in self.views[unit]:
+            p.data = released  # reading a freed buffer would read memory that is gone
+        self.full[unit].untyped_storage().resize_(0)  # STRATEGY: free the full unit
 
     def settle(self):
         """Nothing gathered or in flight outlives a pass (stale after a step)."""
-        for _, handle in self.in_flight.values():
-            handle.wait()
+        self.gathered.update(self.in_flight)  # gathered ahead, unused: waited for (it may write), then freed
         self.in_flight.clear()
         for unit in list(self.gathered):
+            self.gathered[unit][1].wait()
             self.free(unit)
 
     # ------------------------------------------------------------ grads
 
     @torch.no_grad()
     def reduce_scatter(self, unit):
-        """Send a unit whose grads are final; then finish the one sent before it."""
+        """Send a unit whose grads are final; then finish the one sent before it.
+        At world 1 the unit's grads are the sum: nothing is sent."""
         dest = self.unit_grads(unit)
-        out = self.reduce_target(dest)
-        handle = comm.reduce_scatter(out, unit.grads, async_op=True)  # STRATEGY: each rank gets its slice's sum
-        self.sending.append((unit, handle, dest, out))
+        if self.world_size == 1:
+            self.sending.append((unit, None, dest, unit.grads))
+        else:
+            out = self.reduce_target(dest)
+            handle = comm.reduce_scatter(out, unit.grads, async_op=True)  # STRATEGY: each rank gets its slice's sum
+            self.sending.append((unit, handle, dest, out))
         if len(self.sending) > 1:
             self.finish(*self.sending.pop(0))
 
@@ -130,7 +156,8 @@ class FSDP(Wrapper):
     send = reduce_scatter  # a layer skipped in backward (Wrapper.skip_to)
 
     def finish(self, unit, handle, dest, out):
-        handle.wait()
+        if handle is not None:
+            handle.wait()
         self.average_into(dest, out)
         unit.grads = None  # STRATEGY: free the unit's full grads; only this rank's slice of the sum stays
 

@@ -4,8 +4,10 @@ and at the peak, what they were.
 TensorMemory is a TorchDispatchMode. While it is active it sees the outputs of
 every op (forward, backward, optimizer step, collectives). It registers each
 new storage once, so a view never counts again, and subtracts the storage's
-bytes when the storage is freed. Storages that existed before the mode started
-count only when passed to track(). The numbers do not depend on an allocator's
+bytes when the storage is freed. A storage resized in place (resize_, which
+no op shows: zero3's and fsdp's unit buffers, FSDP2's) counts what it holds
+after the resize. Storages that existed before the mode started count only
+when passed to track() or grown by a resize. The numbers do not depend on an allocator's
 caching, so on CPU they are deterministic. On CUDA, cuda_peak and
 cuda_reserved_peak give torch.cuda.max_memory_allocated() and
 max_memory_reserved() as well.
@@ -107,14 +109,30 @@ class TensorMemory(TorchDispatchMode):
             self._hooks.__enter__()
         except RuntimeError:
             self._hooks = None
+        self._unpatched_resize = self._see_resizes()
         return super().__enter__()
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._unpatched_resize
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self._hooks = None
         return result
+
+    def _see_resizes(self):
+        """A storage resized in place (zero3's and fsdp's gathered units,
+        FSDP2's, freed by resize_(0) and grown again) runs no op that this
+        mode sees: UntypedStorage.resize_ tells it instead, while the mode is
+        active, as torch's MemTracker does. Returns the resize_ it wraps."""
+        unpatched = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = unpatched(storage, size)
+            self._resized(storage)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        return unpatched
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -169,7 +187,9 @@ class TensorMemory(TorchDispatchMode):
             for category, tensors in held_tensors(*self._holders).items():
                 for s in self._storages(tensors):
                     category_of.setdefault(id(s), category)
-        live = dict(self._bytes)  # a copy: the garbage collector may free storages meanwhile
+        # a copy (the garbage collector may free storages meanwhile), without
+        # those resized to nothing: to the listeners they were freed
+        live = {key: size for key, size in list(self._bytes.items()) if size}
         return {key: category_of.get(key) or ("activations" if self._saved[key] else "other") for key in live}, live
 
     def placement(self):
@@ -236,7 +256,40 @@ class TensorMemory(TorchDispatchMode):
             self.peak = self.current
             self._pending = self._holders is not None
 
+    def _resized(self, storage):
+        """After storage.resize_: its bytes are what it holds now. To the
+        listeners a resize is a free of the old bytes and an allocation of
+        the new. A storage not counted yet counts from its first growth."""
+        if storage.device.type == "meta" or self.device_type not in (None, storage.device.type):
+            return
+        key, size = id(storage), storage.nbytes()
+        if key not in self._bytes:
+            if size:
+                self._add(storage)
+            return
+        before = self._bytes[key]
+        if size == before:
+            return
+        self._settle()
+        for listener in self.listeners:
+            if before:
+                listener(key, -before)
+            if size:
+                listener(key, size)
+        self._bytes[key] = size
+        self.current += size - before
+        self._new_peak()
+
+    def _new_peak(self):
+        """The count grew: a new peak? (PeerMemory extends it.)"""
+        if self.current > self.peak:
+            self.peak = self.current
+            self._pending = self._holders is not None
+
     def _free(self, key):
+        if not self._bytes[key]:  # resized to nothing: freed then
+            del self._bytes[key]
+            return
         self._settle()
         for listener in self.listeners:
             listener(key, -self._bytes[key])
@@ -309,7 +362,9 @@ def wrapper_held(model, optimizer_state):
     buckets = model.buckets
     temporary = [b.grads for b in buckets if buckets.flat is None and b.grads is not None]
     temporary += [part for b in buckets for part in b.parts.values()]
-    gathered = list(model.in_flight.values())  # the tensors of gathers started ahead
+    # the buffers of gathers started ahead, and of those done (zero3, fsdp: from the start of the
+    # gather, before the parameters point into them)
+    gathered = list(model.in_flight.values()) + list(getattr(model, "gathered", {}).values())
     return {"parameters": [model.working.get(t, t) for t in stored if id(t) not in host]
             + [getattr(model, "flat_params", None), model.nothing],
             "optimizer_state": optimizer_state + masters,

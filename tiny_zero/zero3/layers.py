@@ -1,8 +1,8 @@
 """ZeRO-3 layers: around each layer's math, in forward and again in backward,
-its tensors are broadcast from their owners before (the next layer's are
-already on the way) and freed after, except the ones this rank owns. A grad
-goes into its owner's bucket; a bucket whose grads are final is reduced to
-its owner at once, asynchronously (wrapper.py)."""
+its unit is broadcast from the owners before (the next unit is already on
+the way) and freed after, but what this rank owns: at the unit's first layer
+and after its last. A grad goes into its owner's bucket; a bucket whose grads
+are final is reduced to its owner at once, asynchronously (wrapper.py)."""
 from ..module import expects_backward
 from ..strategy import layer_classes
 
@@ -10,16 +10,20 @@ from ..strategy import layer_classes
 class Zero3Layer:
     def forward_callback(self, ctx, x):
         zero3 = self.wrapper
-        zero3.unshard(self, training=expects_backward(ctx))  # STRATEGY: gather: broadcast from the owners
+        if zero3.gathers:
+            zero3.unshard(self, training=expects_backward(ctx))  # STRATEGY: gather: broadcast from the owners
         y = super().forward_callback(ctx, x)
-        zero3.reshard(self)  # STRATEGY: free: nothing full is kept for backward
+        if zero3.gathers:
+            zero3.reshard(self)  # STRATEGY: free: nothing full is kept for backward
         return y
 
     def backward_callback(self, ctx, grad_out):
         zero3 = self.wrapper
-        zero3.unshard(self, backward=True)  # STRATEGY: gathered again
+        if zero3.gathers:
+            zero3.unshard(self, backward=True)  # STRATEGY: gathered again
         grad_in = super().backward_callback(ctx, grad_out)
-        zero3.reshard(self)  # STRATEGY: and freed again
+        if zero3.gathers:
+            zero3.reshard(self)  # STRATEGY: and freed again
         return grad_in
 
     def accumulate_grad(self, param, grad):

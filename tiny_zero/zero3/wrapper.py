@@ -1,17 +1,17 @@
 """ZeRO-3, inter-tensor: each whole parameter tensor is owned by one rank.
 
 A rank holds: the tensors it owns (owner_table below: largest first, each to
-the least-loaded rank, the same table on every rank, computed without
+the least-loaded rank, the same on every rank, computed without
 communication), the trainable ones in one flat buffer (owned), with their
-averaged grads and optimizer state; every other parameter is empty except
-while the layers of its unit (a transformer block by default; `units=` picks
-module classes or names) run, and the next unit's, gathered ahead.
-Collectives: broadcast of a unit's tensors from each owner, all at once (one
-bucket: the owner's tensors of the unit, side by side in its flat buffer),
-before the unit's first layer runs forward and again before its last layer's
-backward, the next unit's started ahead (unshard); reduce of the same bucket's
-grads to its owner as the unit's backward ends. The owners step their own tensors: nothing is gathered
-after the step.
+averaged grads and optimizer state; per unit (a transformer block by default;
+`units=` picks module classes or names) a buffer for the others' tensors,
+whose memory exists only while the unit's layers run (and the next unit's,
+gathered ahead). At world 1 a rank owns all: nothing is gathered or sent.
+Collectives: broadcast of a unit's tensors from each owner, all at once (its
+bucket: its tensors of the unit, side by side), before the unit's first layer
+runs forward and again before its last layer's backward, the next unit's
+started ahead (unshard); reduce of each bucket's grads to its owner as the
+unit's backward ends. Owners step their tensors: nothing is gathered after.
 """
 import torch
 
@@ -41,9 +41,12 @@ class Zero3(Wrapper):
         self.shards = self.fp32_shards([self.owned]) if self.owned.numel() else []
         self.unit_buckets = {unit: [b for b in buckets if unit_of[b.params[0]] == unit] for unit in self.unit_params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
-        self.order = GatherOrder(self.units_of)
-        self.gathered = {}  # unit -> its broadcasts, while its layers use it
-        self.sending = []  # (bucket, reduce) in flight
+        self.gathers = self.world_size > 1  # world 1: this rank owns every tensor
+        self.full, self.sends, self.views = {}, {}, {}  # per unit: see make_buffer
+        for unit in self.unit_params if self.gathers else ():
+            self.make_buffer(unit)
+        self.order = GatherOrder(self.units_of) if self.gathers else None
+        self.gathered, self.sending = {}, []  # unit -> (buffer, broadcasts) while its layers use it; (bucket, reduce)
 
     def keep_owned(self, mine):
         """Owners keep (or materialise from meta) their tensors, the trainable
@@ -72,44 +75,50 @@ class Zero3(Wrapper):
             del value  # one full tensor at a time
         return owned
 
+    def make_buffer(self, unit):
+        """Once per unit: full, a buffer for others' tensors (its memory let go until gathered); sends,
+        [(what a broadcast fills or sends, its owner)], per bucket and frozen tensor; views, [(p, view, released)]."""
+        frozen = buckets_from_runs([[p] for p in self.unit_params[unit] if p not in self.buckets.of])
+        parts = [(b, self.owner[b.params[0]]) for b in self.unit_buckets[unit] + frozen]
+        full = torch.empty(sum(b.numel for b, owner in parts if owner != self.rank), dtype=self.param_dtype,
+                           device=self.device)
+        sends, views, start = [], [], 0
+        for bucket, owner in parts:
+            at = self.owned_start.get(bucket)  # sent from where it is kept: the owned buffer, or the frozen tensor
+            if owner == self.rank:
+                flat = bucket.params[0].data if at is None else self.owned[at:at + bucket.numel]
+            else:
+                flat, start = full[start:start + bucket.numel], start + bucket.numel
+                views += [(p, bucket.own_view(flat, p), self.released(p)) for p in bucket.params]
+            sends.append((flat, owner))
+        full.untyped_storage().resize_(0)
+        self.full[unit], self.sends[unit], self.views[unit] = full, sends, views
+
     # ------------------------------------------------------------ gather, free
 
     def unshard(self, layer, training=False, backward=False):
-        """Before a layer computes: the tensors of the units it uses, from their
-        owners (started ahead when the order predicted them), and the next
-        unit's started."""
+        """Before a layer computes: its units from their owners, the next one's started."""
         missing = [u for u in self.units_of[layer] if u not in self.gathered]
-        following = self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
+        self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
+        if not missing:
+            return
         for unit in missing:
             self.gathered[unit] = self.in_flight.pop(unit, None) or self.broadcast(unit)  # STRATEGY: gather
-        ahead = self.order.next_unit(following, self.gathered)
+        ahead = self.order.next_unit(self.gathered)
         if ahead is not None and ahead not in self.in_flight:
             self.in_flight[ahead] = self.broadcast(ahead)  # STRATEGY: prefetch the next unit while this one computes
         for unit in missing:
-            for fulls, handle in self.gathered[unit]:
-                handle.wait()
-                for p, full in fulls:
-                    p.data = full
+            for handle in self.gathered[unit][1]:
+                handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
+            for p, full, _ in self.views[unit]:
+                p.data = full  # the view made once: the parameter shows the owner's values
 
     def broadcast(self, unit):
-        """Start a unit's broadcasts: one per bucket (an owner's trainable
-        tensors of the unit, side by side in its flat buffer), one per frozen
-        tensor. Each entry: ([(parameter, its full value)], the broadcast)."""
-        out = []
-        for bucket in self.unit_buckets[unit]:
-            owner = self.owner[bucket.params[0]]
-            if owner == self.rank:
-                flat = self.owned[self.owned_start[bucket]:self.owned_start[bucket] + bucket.numel]
-            else:
-                flat = torch.empty(bucket.numel, dtype=self.param_dtype, device=self.device)
-            fulls = [(p, bucket.own_view(flat, p)) for p in bucket.params]
-            out.append((fulls, comm.broadcast(flat, src=owner, async_op=True)))  # STRATEGY: owner -> all, at once
-        for p in self.unit_params[unit]:
-            if p not in self.buckets.of:  # frozen: kept whole by its owner, outside the flat buffer
-                full = p.data if self.owner[p] == self.rank else torch.empty(
-                    self.shapes[self.name_of[p]], dtype=p.dtype, device=self.device)
-                out.append(([(p, full)], comm.broadcast(full, src=self.owner[p], async_op=True)))  # STRATEGY
-        return out
+        """Start a unit's broadcasts, into its buffer grown back to full size."""
+        full = self.full[unit]
+        full.untyped_storage().resize_(full.numel() * full.element_size())  # STRATEGY: memory for others' tensors
+        return full, [comm.broadcast(flat, src=owner, async_op=True)  # STRATEGY: owner -> all, each bucket at once
+                      for flat, owner in self.sends[unit]]
 
     def reshard(self, layer):
         """After a layer computed: free the units the next layer does not use."""
@@ -118,35 +127,37 @@ class Zero3(Wrapper):
             self.free(unit)  # STRATEGY: free behind: the next layer does not use it
 
     def free(self, unit):
+        """Others' tensors: released, and their memory gone (broadcasts waited for)."""
         del self.gathered[unit]
-        for p in self.unit_params[unit]:
-            if self.owner[p] != self.rank:
-                p.data = self.released(p)  # STRATEGY: free what this rank does not own
+        for p, _, released in self.views[unit]:
+            p.data = released  # reading a freed buffer would read memory that is gone
+        self.full[unit].untyped_storage().resize_(0)  # STRATEGY: free what this rank does not own
 
     def settle(self):
         """Nothing gathered or in flight outlives a pass (stale after a step)."""
-        for broadcasts in self.in_flight.values():
-            for _, handle in broadcasts:
-                handle.wait()
+        self.gathered.update(self.in_flight)  # gathered ahead, unused: waited for (it may write), then freed
         self.in_flight.clear()
         for unit in list(self.gathered):
+            for handle in self.gathered[unit][1]:
+                handle.wait()
             self.free(unit)
 
     # ------------------------------------------------------------ grads
 
     @torch.no_grad()
     def reduce(self, bucket):
-        """Send a bucket whose grads are final to its owner; then finish the
-        one sent before it."""
+        """Send a bucket whose grads are final to its owner; then finish the one sent before it."""
         owner = self.owner[bucket.params[0]]
-        self.sending.append((bucket, comm.reduce(bucket.grads, dst=owner, async_op=True)))  # STRATEGY: sum at the owner
+        handle = comm.reduce(bucket.grads, dst=owner, async_op=True) if self.gathers else None  # STRATEGY: sum
+        self.sending.append((bucket, handle))  # at the owner (world 1: the bucket is the sum, here)
         if len(self.sending) > 1:
             self.finish(*self.sending.pop(0))
 
     send = reduce  # a layer skipped in backward (Wrapper.skip_to)
 
     def finish(self, bucket, handle):
-        handle.wait()
+        if handle is not None:
+            handle.wait()
         if bucket in self.owned_start:  # STRATEGY: the owner keeps the average; the others drop the bucket
             start = self.owned_start[bucket]
             self.average_into(self.shard_grads()[start:start + bucket.numel], bucket.grads)
@@ -224,8 +235,7 @@ def owner_buckets(params, owner, unit_of, bucket_bytes):
 def owner_table(named_shapes, world_size):
     """{name: rank} for [(name, numel), ...], balanced by numel: largest first,
     each to the least-loaded rank (ties to the lower rank, names break size ties)."""
-    load = [0] * world_size
-    owner = {}
+    load, owner = [0] * world_size, {}
     for name, numel in sorted(named_shapes, key=lambda item: (-item[1], item[0])):
         rank = min(range(world_size), key=lambda r: (load[r], r))
         owner[name] = rank
