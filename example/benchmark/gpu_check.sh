@@ -10,7 +10,7 @@
 #   offload's CUDA tests (tests/test_offload.py, one process each; its gpt2-medium memory case left out for time).
 # A step that fails or runs out of time does not stop the next; the log ends with each
 # step's exit status (124: out of time), and the script exits 1 if any step failed.
-# About 5 minutes on one H100, the first Triton compiles included; at most 7 minutes (the limits' sum).
+# About 5 minutes on one H100, the first Triton compiles included; at most 6 minutes (the limits' sum).
 # PYTHON names the interpreter (default python3). GPU_CHECK_DRY_RUN=1 replaces each step's
 # command by an echo (tests/test_gpu_script.py).
 set -u
@@ -48,13 +48,13 @@ commit = commit or "unknown (no git checkout here)"
 print(f"{gpu}; torch {torch.__version__}; CUDA {torch.version.cuda}; triton {triton_version}; "
       f"Python {sys.version.split()[0]}; commit {commit}")'
 
-step nvidia-smi 10 nvidia-smi
-step versions 20 "$PYTHON" -c "$VERSIONS"
-step cuda-tests 150 "$PYTHON" -m pytest -q -rs --durations=15 -k cuda tests/test_cuda.py tests/test_fused.py \
+step nvidia-smi 5 nvidia-smi
+step versions 15 "$PYTHON" -c "$VERSIONS"
+step cuda-tests 140 "$PYTHON" -m pytest -q -rs --durations=15 -k cuda tests/test_cuda.py tests/test_fused.py \
     tests/test_optim.py
-step gpu.py 110 "$PYTHON" example/benchmark/gpu.py --models gpt2 gpt2-medium
-step profile_gpu.py 60 "$PYTHON" example/benchmark/profile_gpu.py --out "$OUT"
-step offload-cuda-tests 70 "$PYTHON" -m pytest -q -rs -k "cuda and not medium" tests/test_offload.py
+step gpu.py 110 "$PYTHON" example/benchmark/gpu.py --models gpt2 gpt2-medium --warmup 3 --steps 8
+step profile_gpu.py 55 "$PYTHON" example/benchmark/profile_gpu.py --out "$OUT"
+step offload-cuda-tests 25 "$PYTHON" -m pytest -q -rs -k "cuda and not medium" tests/test_offload.py
 
 echo "== exit statuses" | tee -a "$LOG"
 failed=0
