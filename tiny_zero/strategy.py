@@ -798,6 +798,11 @@ class Wrapper(WrapperStateDicts, nn.Module):
             return scale if self.clip_coef is None else self.clip_coef * scale
         return 1.0 if self.clip_coef is None else self.clip_coef
 
+    def where_the_step_runs(self, *values):
+        """The step's scale and skip, on the device of the shards it steps:
+        where they are made (offload moves them to the host)."""
+        return values
+
     @torch.no_grad()
     def found_overflow(self):
         """fp16: did any rank get an inf/nan grad? A 0-d fp32 tensor on the
@@ -955,7 +960,8 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         stepping = model.stepping(written)
         model.adopt_param_writes(written)  # after the agreement on how many were written
         found_inf = model.found_overflow()  # fp16: on the device; every rank skips alike, the host never knows
-        self._update(stepping, model.grad_scale(), found_inf)  # unscaled by the scale the grads were made with
+        # unscaled by the scale the grads were made with
+        self._update(stepping, *model.where_the_step_runs(model.grad_scale(), found_inf))
         if found_inf is not None:
             model.loss_scaler.update(found_inf)
             self.skips.add_(found_inf)

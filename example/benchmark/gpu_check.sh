@@ -50,11 +50,11 @@ print(f"{gpu}; torch {torch.__version__}; CUDA {torch.version.cuda}; triton {tri
 
 step nvidia-smi 5 nvidia-smi
 step versions 15 "$PYTHON" -c "$VERSIONS"
-step cuda-tests 140 "$PYTHON" -m pytest -q -rs --durations=15 -k cuda tests/test_cuda.py tests/test_fused.py \
+step cuda-tests 100 "$PYTHON" -m pytest -q -rs --durations=15 -k cuda tests/test_cuda.py tests/test_fused.py \
     tests/test_optim.py
-step gpu.py 110 "$PYTHON" example/benchmark/gpu.py --models gpt2 gpt2-medium --warmup 3 --steps 8
+step gpu.py 110 "$PYTHON" example/benchmark/gpu.py --models gpt2 gpt2-medium --warmup 5 --steps 20
 step profile_gpu.py 55 "$PYTHON" example/benchmark/profile_gpu.py --out "$OUT"
-step offload-cuda-tests 25 "$PYTHON" -m pytest -q -rs -k "cuda and not medium" tests/test_offload.py
+step offload-cuda-tests 60 "$PYTHON" -m pytest -q -rs -k "cuda and not medium" tests/test_offload.py
 
 echo "== exit statuses" | tee -a "$LOG"
 failed=0

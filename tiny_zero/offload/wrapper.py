@@ -106,6 +106,20 @@ class ZeroOffload(Wrapper):
         with self.host_threads():  # the grads it reads are on the host
             return super().clip_grad_norm_(max_norm)
 
+    def where_the_step_runs(self, *values):
+        """The step runs on the host: its scale and its fp16 skip (0-d device
+        tensors after a clip or under fp16) come there as the grads did, by
+        the side stream, with the one wait for copies a step makes anyway."""
+        on_device = [v for v in values if isinstance(v, torch.Tensor) and v.device != torch.device("cpu")]
+        if not on_device:
+            return values
+        moved = {}
+        for v in on_device:
+            moved[id(v)] = self.host_empty(1, v.dtype).view(())
+            self.to_host(moved[id(v)], v)
+        self.wait_for_copies()
+        return tuple(moved.get(id(v), v) for v in values)
+
     # ------------------------------------------------------------ after the step: parameters to the device
 
     def pieces(self):
