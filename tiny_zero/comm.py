@@ -113,16 +113,40 @@ class CommStats:
 stats = CommStats()
 
 
-def _run(kind, tensor, launch, async_op):
+class _Done:
+    """The work of a collective over one rank: done when it is made."""
+
+    def wait(self, timeout=None):
+        return True
+
+
+def _run(kind, tensor, launch, async_op, group=None, alone=None):
+    """Record and launch a collective. Over a group of one rank there is
+    nothing to exchange: `alone()` does the local part of it (a copy, or
+    nothing), and no call goes to the backend."""
     settle_agreements()  # any collective: the ranks agreed first on what they are about to run
     stats.record(kind, tensor)
     launched = recorder.stamp() if recorder is not None else None
-    pending = Pending(launch(), kind, tensor)
+    if alone is not None and dist.get_world_size(group) == 1:
+        alone()
+        work = _Done()
+    else:
+        work = launch()
+    pending = Pending(work, kind, tensor)
     if recorder is not None:
         recorder.collective(pending, tensor, launched)
     if async_op:
         return pending
     pending.wait()
+
+
+def _nothing():
+    pass
+
+
+def _copy(dest, source):
+    """dest = source, unless they are one and the same memory."""
+    return lambda: None if dest.data_ptr() == source.data_ptr() else dest.copy_(source)
 
 
 # torch 2.13 renamed the single-tensor collectives; 2.11 has only the old names
@@ -131,26 +155,31 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def all_reduce(tensor, async_op=False, group=None):
-    return _run("all_reduce", tensor, lambda: dist.all_reduce(tensor, group=group, async_op=True), async_op)
+    return _run("all_reduce", tensor, lambda: dist.all_reduce(tensor, group=group, async_op=True), async_op,
+                group, _nothing)
 
 
 def reduce_scatter(out, full, async_op=False, group=None):
     """Sum `full` over ranks; this rank keeps chunk `rank` of it in `out`."""
-    return _run("reduce_scatter", full, lambda: _reduce_scatter(out, full, group=group, async_op=True), async_op)
+    return _run("reduce_scatter", full, lambda: _reduce_scatter(out, full, group=group, async_op=True), async_op,
+                group, _copy(out, full))
 
 
 def all_gather(full, chunk, async_op=False, group=None):
     """Concatenate every rank's `chunk` into `full` (chunk may be a view of full)."""
-    return _run("all_gather", full, lambda: _all_gather(full, chunk, group=group, async_op=True), async_op)
+    return _run("all_gather", full, lambda: _all_gather(full, chunk, group=group, async_op=True), async_op,
+                group, _copy(full, chunk))
 
 
 def broadcast(tensor, src, async_op=False, group=None):
-    return _run("broadcast", tensor, lambda: dist.broadcast(tensor, src, group=group, async_op=True), async_op)
+    return _run("broadcast", tensor, lambda: dist.broadcast(tensor, src, group=group, async_op=True), async_op,
+                group, _nothing)
 
 
 def reduce(tensor, dst, async_op=False, group=None):
     """Sum `tensor` over ranks into rank `dst` (in place there)."""
-    return _run("reduce", tensor, lambda: dist.reduce(tensor, dst, group=group, async_op=True), async_op)
+    return _run("reduce", tensor, lambda: dist.reduce(tensor, dst, group=group, async_op=True), async_op,
+                group, _nothing)
 
 
 def send(tensor, dst, async_op=False, group=None):
@@ -513,6 +542,18 @@ class ParamSet:
         self.marks[:] = bytes(len(self.marks))
 
 
+def packed(bucket):
+    """The elements of a bucket's parameters where they lie one after another
+    from its start, in order (then padding): what one concatenation of their
+    grads fills. None where the layout has gaps."""
+    end = 0
+    for p in bucket.params:
+        if bucket.offsets[p] != end:
+            return None
+        end += bucket.shapes[p].numel()
+    return end
+
+
 class Buckets:
     """A strategy's gradient buckets, and when each may be sent.
 
@@ -549,6 +590,7 @@ class Buckets:
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.home = [k for k, b in enumerate(buckets) for _ in b.params]  # index -> its bucket's place in list
         self.places = [(b.shapes[p], b.strides[p], b.offsets[p]) for b in buckets for p in b.params]  # own_view's
+        self.packed = {b: packed(b) for b in buckets}  # bucket -> its grads' elements before the padding, or None
         self.dtype, self.device, self.flat = dtype, device, flat
         self.average_over = average_over
         self.slots = None  # with a flat buffer: each parameter's view of it, made once (by index)
@@ -686,7 +728,9 @@ class Buckets:
         bucket = self.list[self.home[i]]
         part = bucket.parts.get(i)
         if part is None:  # the grad as backward made it, no copy (a new tensor, in the bucket's dtype)
-            part = bucket.parts[i] = grad.to(self.dtype, memory_format=torch.contiguous_format)
+            if grad.dtype != self.dtype or not grad.is_contiguous():
+                grad = grad.to(self.dtype, memory_format=torch.contiguous_format)
+            part = bucket.parts[i] = grad
         else:
             part.add_(grad)
         return part
@@ -708,6 +752,16 @@ class Buckets:
     def flatten(self, bucket):
         """A bucket about to be sent: its parts divided by average_over, into
         one flat buffer (zeros where a parameter got no grad, and in the padding)."""
+        filled = self.packed[bucket]
+        if filled is not None and len(bucket.parts) == len(bucket.params):  # every place has a grad: one pass
+            parts = [bucket.parts[i] for i in sorted(bucket.parts)]  # in layout order
+            if filled < bucket.numel:
+                parts.append(torch.zeros(bucket.numel - filled, dtype=self.dtype, device=self.device))
+            bucket.grads = torch._C._nn.flatten_dense_tensors(parts)
+            if self.average_over > 1:
+                bucket.grads.div_(self.average_over)
+            bucket.parts = {}
+            return
         bucket.grads = grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
         if bucket.parts:
             torch._foreach_copy_([self.own_view(grads, i) for i in bucket.parts], list(bucket.parts.values()))
