@@ -10,7 +10,7 @@
 #   offload's CUDA tests (tests/test_offload.py, one process each; its gpt2-medium memory case left out for time).
 # A step that fails or runs out of time does not stop the next; the log ends with each
 # step's exit status (124: out of time), and the script exits 1 if any step failed.
-# About 5 minutes on one H100, the first Triton compiles included; at most 6 minutes (the limits' sum).
+# About 3 minutes on one H200, the first Triton compiles included; at most 6 minutes (the limits' sum).
 # PYTHON names the interpreter (default python3). GPU_CHECK_DRY_RUN=1 replaces each step's
 # command by an echo (tests/test_gpu_script.py).
 set -u
