@@ -1,4 +1,4 @@
-"""tiny_zero: DDP, ZeRO-1/2/3 and FSDP in small, readable, tested Python."""
+"""tiny_zero: DDP, ZeRO-1/2/3, FSDP and ZeRO-Offload, with tensor and pipeline parallelism, in small, readable, tested Python."""
 from . import checkpoint, module, optim
 from .ddp import DDP, DDPAdamW
 from .zero1 import Zero1, Zero1AdamW
