@@ -51,14 +51,13 @@ def held_lines(module, c):
     ranks = estimate.model_state(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
     held = ranks[0]
     _, k = estimate.element_bytes(c.mixed_precision, c.strategy)
-    steps = sum(1 for _ in module.parameters()) * estimate.STEP_BYTES
-    elements = (held["optimizer_state"] - steps) // k
+    elements = held["optimizer_state"] // k
     masters = 4 * elements if k == 12 else 0
     lines = ["what each rank holds after a step (tiny_zero.measure.estimate.model_state):",
              f"  parameters        {size(held['parameters'])}",
              f"  gradients         {size(held['gradients'])}",
              f"  optimizer state   {size(held['optimizer_state'])}: moments {size(8 * elements)}, "
-             f"fp32 masters {size(masters)}, step counts {size(steps)}",
+             f"fp32 masters {size(masters)}",
              f"  total             {size(sum(held.values()))}"]
     if c.strategy == "offload":
         where = estimate.placement(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)[0]

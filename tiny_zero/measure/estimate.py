@@ -17,8 +17,8 @@ the two fp32 moments, 12 under mixed precision with the fp32 master):
 And what tiny_zero's wrappers allocate, from the code that partitions: the
 buckets of zero1/2 padded to N at the default bucket size, zero3's owner
 table (whole tensors, so ranks differ: the mean and the most-loaded rank,
-which holds at least the largest tensor), fsdp's per-layer units padded to N; plus 4 bytes of step count per
-optimizer tensor. This is what a rank holds after a step, before
+which holds at least the largest tensor), fsdp's per-layer units padded to N. Step counts are
+Python ints (under fp16 one fp32 per parameter on the device, a few bytes left out). This is what a rank holds after a step, before
 zero_grad(): activations, buckets in flight and gathered parameters come on
 top (tiny_zero.measure.memory measures those). placement() splits it by
 where it lives: offload keeps all but its parameters in host memory, with
@@ -48,7 +48,6 @@ from ..tensor.wrapper import planned_linears, split_parameters
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "offload")
 CATEGORIES = ("parameters", "gradients", "optimizer_state")  # model state, as tiny_zero.measure.memory names it
-STEP_BYTES = 4  # AdamW's step count: an fp32 scalar per parameter, as torch keeps it
 
 
 def formula_terms(strategy, mixed_precision=None):
@@ -116,8 +115,7 @@ def model_state(module, strategy, world_size, mixed_precision=None, bucket_bytes
         held = [(share, share, share)] * n
     else:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-    steps = len(params) * STEP_BYTES  # every rank counts every parameter's steps
-    return [dict(parameters=a * p, gradients=g * p, optimizer_state=s * k + steps) for a, g, s in held]
+    return [dict(parameters=a * p, gradients=g * p, optimizer_state=s * k) for a, g, s in held]
 
 
 def placement(module, strategy, world_size, mixed_precision=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
