@@ -9,7 +9,7 @@ records what later ones repeat). A function counts whole, with its
 docstring, once, however often it runs: that is what a reader opens. The
 layers' math (tiny_zero/module) and the collectives (tiny_zero/comm.py)
 count; the wrapping and the checkpoints do not, as the step does not run
-them. docs/diff-guide.md quotes the table, and tests/test_layout.py keeps it
+them. docs/diff-guide.md quotes the table; tests/test_layout.py keeps it
 true.
 """
 import inspect

@@ -285,3 +285,11 @@ def test_the_readme_bounds_the_data_parallel_folders_length():
     claim = re.search(r"one folder per strategy, under (\d+) lines each", opening)
     assert claim, "the README's opening no longer says how many lines a strategy folder has"
     assert max(counts.values()) < int(claim[1]), counts
+
+
+def test_the_diff_guide_says_what_one_step_makes_a_reader_follow():
+    """docs/diff-guide.md's table of the lines and files one steady step of
+    each strategy runs (tests/reading.py) is what the code gives."""
+    import reading
+    page = (ROOT / "docs" / "diff-guide.md").read_text()
+    assert reading.table(reading.measure()) in page
