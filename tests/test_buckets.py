@@ -1,11 +1,11 @@
-"""tiny_zero.comm.Buckets. Without a flat buffer (zero2, zero3, fsdp, offload),
+"""tiny_zero.buckets.Buckets. Without a flat buffer (zero2, zero3, fsdp, offload),
 a bucket holds the grads made so far, apart, and becomes one flat buffer only
 when it is handed out to be sent; with one (ddp, zero1), each parameter's
 place in it is a view made once. What a step tracks per parameter is kept
 by its index."""
 import torch
 
-from tiny_zero.comm import Buckets, buckets_from_runs
+from tiny_zero.buckets import Buckets, buckets_from_runs
 
 
 def test_a_bucket_is_flattened_when_sent_and_holds_only_what_was_made_before():

@@ -504,7 +504,7 @@ def held_elements(strategy, n):
     fp32 between steps, from the strategy's own layout code."""
     import torch.nn as nn
     from example.model import build_model
-    from tiny_zero.comm import make_buckets
+    from tiny_zero.buckets import make_buckets
     from tiny_zero.measure.estimate import fsdp_units
     from tiny_zero.zero3.wrapper import loads, owner_table
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from .comm import make_buckets
+from .buckets import make_buckets
 from .config import read_config
 from .measure import estimate
 

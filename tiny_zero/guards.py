@@ -1,6 +1,9 @@
 """Misuse turned into clear errors, the same on every rank: a model wrapped
-twice, models that differ across ranks, and p.grad of a strategy that keeps
-averaged grads sharded used as if it were the whole grad."""
+twice, models that differ across ranks, p.grad of a strategy that keeps
+averaged grads sharded used as if it were the whole grad, and model.<name>
+for an attribute of the wrapped module (ForwardedAttributes, mixed into
+Wrapper)."""
+import functools
 import zlib
 
 import torch
@@ -39,6 +42,42 @@ def parameter_hash(buckets, params):
     for i in map(buckets.index.__getitem__, map(id, params)):
         marks[i] = 1
     return zlib.crc32(marks)
+
+
+def sequence_hash(numbers):
+    """One int64 that tells sequences of small integers apart (their order too)."""
+    h = 0
+    for n in numbers:
+        h = (h * 31 + n + 1) % (1 << 61)
+    return h
+
+
+class ForwardedAttributes:
+    """Wrapper's model.<name> for what the wrapped module has."""
+
+    # What model.<name> finds on the wrapped module, as DeepSpeed's engine
+    # forwards it: only what reads no parameter outside a forward (generate's
+    # forwards run through the strategy's layers), since a rank may hold only
+    # its part of a parameter. Anything else the module has: model.module.<name>.
+    FORWARDED = ("generate", "config", "generation_config", "can_generate", "main_input_name",
+                 "gradient_checkpointing_enable", "gradient_checkpointing_disable", "enable_input_require_grads")
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules (model.module)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or not hasattr(module, name):
+                raise
+        if name == "generate" and not self.module_values_whole and self.world_size > 1:
+            # every forward sends collectives: a rank whose sequences have ended
+            # runs forwards on until every rank's have (Hugging Face's synced_gpus)
+            return functools.partial(module.generate, synced_gpus=True)
+        if name in self.FORWARDED:
+            return getattr(module, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}; the wrapped module has: use "
+                             f"model.module.{name}, on every rank alike (outside a forward, a parameter may hold "
+                             "only this rank's part)")
 
 
 class ShardedGrad(torch.Tensor):

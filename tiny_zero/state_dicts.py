@@ -9,8 +9,13 @@ model and an optimizer, kept apart from one training step's code.
     model.load_pieces(read)  each rank reads only what it holds (checkpoints, pretrained weights)
     opt.state_dict()         this rank's shard of the optimizer state, marked with the strategy,
                              rank and world size that made it: it loads only there
+
+Where this rank's part of each parameter lies (Piece, pieces()), and the
+helpers that find it where every rank holds chunks of buckets (chunk_pieces,
+gather_chunks: zero1, zero2, offload) or whole parameters.
 """
 import functools
+from collections import namedtuple
 from operator import attrgetter, itemgetter
 
 import torch
@@ -20,9 +25,16 @@ from torch.nn.modules.module import _IncompatibleKeys
 from . import comm
 from .precision import take_written_
 
+# Elements [lo, hi) of parameter `name` (flattened; full shape `shape`) are
+# held by this rank at tensor[offset:offset + hi - lo], where `tensor` is one
+# of model.shards (1-D fp32: what the optimizer steps) or, for a frozen
+# parameter, its own storage. `replicated`: every replica (model.replicas)
+# holds the same piece.
+Piece = namedtuple("Piece", "name shape lo hi tensor offset replicated")
+
 
 class WrapperStateDicts:
-    """Mixed into Wrapper."""
+    """Mixed into Wrapper: its state dicts, and where its pieces lie."""
 
     def full_state_dict(self):
         """Full fp32 values (the masters), keys as module.state_dict(), on every rank."""
@@ -183,6 +195,65 @@ class WrapperStateDicts:
                                f"{type(self).__name__} steps values kept apart from the module's parameters, so "
                                "the write would be lost; set new values with model.load_state_dict (or "
                                "model.module's), before or between steps")
+
+    def param_names(self):
+        return self.name_of
+
+    def all_pieces(self):
+        if not hasattr(self, "_pieces"):
+            self._pieces = self.pieces()
+        return self._pieces
+
+    def pieces_to_save(self):
+        """The pieces this rank writes to a checkpoint, so that each element is
+        written once: those it alone holds, and its round-robin share of those
+        every replica holds."""
+        self.adopt_param_writes()
+        pieces = self.pieces()
+        replicated = [p for p in pieces if p.replicated]
+        return [p for p in pieces if not p.replicated] + replicated[self.replica::self.replicas]
+
+    def bucket_pieces(self, bucket, begin, n, tensor, offset=0):
+        """Pieces of the parameters of `bucket` (a flat layout) whose elements
+        fall in [begin, begin + n) of it, held at tensor[offset:offset + n]."""
+        pieces, names = [], self.param_names()
+        for p in bucket.params:
+            start = bucket.offsets[p]
+            lo, hi = max(start, begin), min(start + bucket.shapes[p].numel(), begin + n)
+            if lo < hi:
+                pieces.append(Piece(names[p], bucket.shapes[p], lo - start, hi - start, tensor,
+                                    offset + lo - begin, False))
+        return pieces
+
+    def whole_pieces(self, params, replicated=True):
+        """Pieces of parameters held whole, in their own storage (by every
+        rank, or, not replicated, by this one)."""
+        names = self.param_names()
+        return [Piece(names[p], p.shape, 0, p.numel(), p.data.view(-1), 0, replicated) for p in params]
+
+    def chunk_pieces(self):
+        """pieces() where every rank holds the N-th chunk of each bucket as
+        model.shards[bucket.index] (zero1, zero2, offload), and frozen
+        parameters whole."""
+        chunks = [piece for bucket, shard in zip(self.buckets, self.shards)
+                  for piece in self.bucket_pieces(bucket, self.rank * shard.numel(), shard.numel(), shard)]
+        return chunks + self.whole_pieces(self.frozen)
+
+    def gather_chunks(self):
+        """{parameter: full fp32 value on the CPU} where every rank holds the
+        N-th chunk of each bucket as model.shards[bucket.index] (zero1, zero2,
+        offload), and frozen parameters whole."""
+        full = {p: p.detach().float().cpu().clone() for p in self.frozen}
+        for bucket, shard in zip(self.buckets, self.shards):
+            full.update(self.gather_bucket(bucket, shard))  # the fp32 masters, not the low-precision copy
+        return full
+
+    def gather_bucket(self, bucket, chunk):
+        """{parameter: full fp32 value on the CPU} for a bucket of which every
+        rank holds a 1/N chunk (fp32): one all_gather."""
+        flat = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+        comm.all_gather(flat, chunk.to(self.device))  # a chunk kept in host memory (offload) goes by the device
+        return {p: bucket.own_view(flat, p).cpu().clone() for p in bucket.params}
 
 
 _VERSION = attrgetter("_version")

@@ -72,7 +72,7 @@ from torch.nn.parallel import DistributedDataParallel
 import tiny_zero
 from example.data import ByteData, load_text
 from example.model import CONFIGS, build_model, count_parameters
-from tiny_zero.comm import DEFAULT_BUCKET_BYTES
+from tiny_zero.buckets import DEFAULT_BUCKET_BYTES
 from tiny_zero.distributed import init_distributed, local_device
 from tiny_zero.measure.memory import TensorMemory
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..materialize import set_data, weights_loaded
-from ..strategy import Piece
+from ..state_dicts import Piece
 from .sharded import CheckpointError, _agree, _attempt, _some, progress
 
 

@@ -14,8 +14,9 @@ backward pass, the waits.
 import torch
 
 from .. import comm
-from ..comm import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
-from ..strategy import Piece, Wrapper
+from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
+from ..state_dicts import Piece
+from ..strategy import Wrapper
 from .layers import LAYER_CLASSES
 
 

@@ -20,9 +20,10 @@ the step.
 import torch
 
 from .. import comm
-from ..comm import Buckets, GatherOrder, buckets_from_runs, gather_units
+from ..buckets import Buckets, buckets_from_runs
 from ..module import CallbackLayer
 from ..strategy import Wrapper
+from ..units import GatherOrder, gather_units
 from .layers import LAYER_CLASSES
 
 

@@ -38,8 +38,8 @@ import sys
 
 import torch
 
-from ..comm import DEFAULT_BUCKET_BYTES, make_buckets
-from ..comm import gather_units
+from ..buckets import DEFAULT_BUCKET_BYTES, make_buckets
+from ..units import gather_units
 from ..fsdp.wrapper import flat_units
 from ..module import layer_kind
 from ..zero3.wrapper import loads, owner_table, unit_params

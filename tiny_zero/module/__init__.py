@@ -1,6 +1,7 @@
 """Custom autograd layers: the extension point of every strategy."""
+from .hooks import has_grad_hook, run_grad_hooks
 from .layers import (CallbackLayer, Conv1D, Embedding, LayerFunction, LayerNorm, Linear, RMSNorm, expects_backward,
-                     has_grad_hook, in_backward_pass, recorded, run_grad_hooks)
+                     in_backward_pass, recorded)
 from .swap import DEFAULT_CLASSES, FOREIGN, check_supported, layer_classes, layer_kind, swap_layers
 
 __all__ = ["CallbackLayer", "Conv1D", "Embedding", "LayerFunction", "LayerNorm", "Linear", "RMSNorm",

@@ -4,7 +4,7 @@ tensors, and the update is torch's fused CPU AdamW kernel (one vectorised
 pass; tiny_zero/optim/fused.py) on this rank's share of the host's cores.
 After the step the wrapper copies the updated chunks back to the device and
 all-gathers them (ZeroOffload.sync_params)."""
-from ..strategy import StrategyAdamW
+from ..optimizer import StrategyAdamW
 from .wrapper import ZeroOffload
 
 

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from .. import comm
-from ..comm import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
+from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..strategy import Wrapper
 from .layers import LAYER_CLASSES
 

@@ -14,11 +14,16 @@ new shape of the pipeline's input (the micro-batch of x, which every rank of
 a replica is given): then only the tensors, with no header, until the input's
 shape changes. A stage whose output layout changes while its input's shape
 does not raises (layout_for).
+
+PointToPoint, mixed into Pipeline: a stage's sends and receives of these
+tensors, posted together with its neighbours' (exchange).
 """
 import pickle
 from collections import namedtuple
 
 import torch
+
+from .. import comm
 
 # structure: a tensor's index in the flat list, None, or (kind, children) with
 # kind "tuple", "list" or "dict" (children of a dict: (key, child) pairs).
@@ -90,3 +95,56 @@ def on_the_wire(tensors):
 def grad_of(tensor):
     """The grad sent back for a received tensor: zeros where the stage did not use it."""
     return tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+
+
+class PointToPoint:
+    """Pipeline's sends and receives of activations between neighbour stages, mixed into Pipeline."""
+
+    def send_activation(self, out):
+        """Queued, to go with the next action's receive: the tensors of the
+        output, after its layout where the next stage has not had it for
+        inputs of this shape (messages.py). Returns the tensors whose grads
+        come back."""
+        tensors, layout = layout_of(out, f"stage {self.stage}'s output")
+        known, next_stage = self.sent_layouts.get(self.input_key), self.rank_of(self.stage + 1)
+        if known is None:
+            self.sent_layouts[self.input_key] = layout
+            self.outbox += [(t, next_stage) for t in encode(layout, self.device)]
+        elif known != layout:
+            raise ValueError(f"stage {self.stage}'s output changed from {known.tensors} to {layout.tensors} "
+                             "for inputs of the same shapes: the next stage learns an output's shapes once per "
+                             "shape of the input micro-batch, so they must follow from it")
+        self.outbox += [(t, next_stage) for t in on_the_wire(tensors)]  # STRATEGY: the activations, forward
+        return [t for t in tensors if carries_grad(t)]
+
+    def receive_activation(self):
+        """The previous stage's output, and the received tensors whose grads go back."""
+        previous = self.rank_of(self.stage - 1)
+        layout = self.received_layouts.get(self.input_key)
+        if layout is None:  # a new shape: its layout comes first
+            size = self.receive(torch.empty(1, dtype=torch.int64, device=self.device), previous)
+            layout = decode(self.receive(torch.empty(int(size), dtype=torch.uint8, device=self.device), previous))
+            self.received_layouts[self.input_key] = layout
+        tensors = empty_like_layout(layout, self.device)
+        self.exchange([(t, previous) for t in tensors if t.numel()])  # STRATEGY: the previous stage's output
+        for t, (_, _, carries) in zip(tensors, layout.tensors):
+            t.requires_grad_(carries)
+        return unflatten(layout.structure, tensors), [t for t in tensors if t.requires_grad]
+
+    def receive(self, tensor, src):
+        """Receive `tensor` from rank src, posted with what the last action made."""
+        self.exchange([(tensor, src)])
+        return tensor
+
+    def exchange(self, recvs=()):
+        """Post the sends queued by the last action with this action's
+        receives (one NCCL group: see comm.exchange), and wait for the
+        receives. The sends of the action before are waited for first: their
+        receivers have posted the receives by now, so at most one action's
+        sent tensors are held."""
+        for pending in self.sending:
+            pending.wait()
+        self.sending, received = comm.exchange(self.outbox, recvs)  # STRATEGY: to and from the neighbours
+        self.outbox = []
+        for pending in received:
+            pending.wait()

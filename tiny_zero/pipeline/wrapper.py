@@ -33,17 +33,17 @@ from itertools import accumulate
 import torch
 
 from .. import comm
-from ..comm import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs, make_buckets
+from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs, make_buckets
 from ..distributed import init_distributed
-from ..strategy import ScaleGrad, Wrapper
+from ..precision import ScaleGrad
+from ..strategy import Wrapper
 from .layers import LAYER_CLASSES
-from .messages import (carries_grad, decode, empty_like_layout, encode, flatten, grad_of, layout_of, on_the_wire,
-                       unflatten)
+from .messages import PointToPoint, flatten, grad_of, on_the_wire, unflatten
 from .schedule import FORWARD, SCHEDULES
 from .stages import stage_sizes
 
 
-class Pipeline(Wrapper):
+class Pipeline(PointToPoint, Wrapper):
     layer_classes = LAYER_CLASSES
     module_values_whole = False  # the parameters: only this stage's
 
@@ -223,57 +223,6 @@ class Pipeline(Wrapper):
             total += torch.stack(self.losses).float().sum() / (self.microbatches * self.replicas)
         comm.all_reduce(total)
         return total.item()
-
-    # ------------------------------------------------------------ point to point
-
-    def send_activation(self, out):
-        """Queued, to go with the next action's receive: the tensors of the
-        output, after its layout where the next stage has not had it for
-        inputs of this shape (messages.py). Returns the tensors whose grads
-        come back."""
-        tensors, layout = layout_of(out, f"stage {self.stage}'s output")
-        known, next_stage = self.sent_layouts.get(self.input_key), self.rank_of(self.stage + 1)
-        if known is None:
-            self.sent_layouts[self.input_key] = layout
-            self.outbox += [(t, next_stage) for t in encode(layout, self.device)]
-        elif known != layout:
-            raise ValueError(f"stage {self.stage}'s output changed from {known.tensors} to {layout.tensors} "
-                             "for inputs of the same shapes: the next stage learns an output's shapes once per "
-                             "shape of the input micro-batch, so they must follow from it")
-        self.outbox += [(t, next_stage) for t in on_the_wire(tensors)]  # STRATEGY: the activations, forward
-        return [t for t in tensors if carries_grad(t)]
-
-    def receive_activation(self):
-        """The previous stage's output, and the received tensors whose grads go back."""
-        previous = self.rank_of(self.stage - 1)
-        layout = self.received_layouts.get(self.input_key)
-        if layout is None:  # a new shape: its layout comes first
-            size = self.receive(torch.empty(1, dtype=torch.int64, device=self.device), previous)
-            layout = decode(self.receive(torch.empty(int(size), dtype=torch.uint8, device=self.device), previous))
-            self.received_layouts[self.input_key] = layout
-        tensors = empty_like_layout(layout, self.device)
-        self.exchange([(t, previous) for t in tensors if t.numel()])  # STRATEGY: the previous stage's output
-        for t, (_, _, carries) in zip(tensors, layout.tensors):
-            t.requires_grad_(carries)
-        return unflatten(layout.structure, tensors), [t for t in tensors if t.requires_grad]
-
-    def receive(self, tensor, src):
-        """Receive `tensor` from rank src, posted with what the last action made."""
-        self.exchange([(tensor, src)])
-        return tensor
-
-    def exchange(self, recvs=()):
-        """Post the sends queued by the last action with this action's
-        receives (one NCCL group: see comm.exchange), and wait for the
-        receives. The sends of the action before are waited for first: their
-        receivers have posted the receives by now, so at most one action's
-        sent tensors are held."""
-        for pending in self.sending:
-            pending.wait()
-        self.sending, received = comm.exchange(self.outbox, recvs)  # STRATEGY: to and from the neighbours
-        self.outbox = []
-        for pending in received:
-            pending.wait()
 
     # ------------------------------------------------------------ grads
 

@@ -2,7 +2,7 @@
 slices of the planned Linears, the other parameters whole) with the grads
 averaged over the replicas. The ranks that hold the same parameter make the
 same update, so nothing is sent after the step."""
-from ..strategy import StrategyAdamW
+from ..optimizer import StrategyAdamW
 from .wrapper import TensorParallel
 
 

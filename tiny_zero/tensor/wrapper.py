@@ -34,9 +34,10 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from ..comm import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
+from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..distributed import init_distributed
-from ..strategy import Piece, Wrapper
+from ..state_dicts import Piece
+from ..strategy import Wrapper
 from .layers import COLUMN_LINEAR, LAYER_CLASSES, ROW_LINEAR
 
 SPLITS = ("column", "row")

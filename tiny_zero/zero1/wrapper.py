@@ -18,7 +18,7 @@ every rank's updated chunks to every rank (sync_params).
 import torch
 
 from .. import comm
-from ..comm import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
+from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..strategy import Wrapper
 from .layers import LAYER_CLASSES
 

@@ -16,7 +16,7 @@ are final (layers.py); after the optimizer step, one all_gather per bucket
 import torch
 
 from .. import comm
-from ..comm import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
+from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..strategy import Wrapper
 from .layers import LAYER_CLASSES
 

@@ -1,6 +1,6 @@
 """Zero3AdamW: each rank steps only the tensors it owns (one flat buffer). No
 all-gather follows: the next forward broadcasts them from their owners."""
-from ..strategy import StrategyAdamW
+from ..optimizer import StrategyAdamW
 from .wrapper import Zero3
 
 

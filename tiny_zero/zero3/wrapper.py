@@ -16,9 +16,10 @@ unit's backward ends. Owners step their tensors: nothing is gathered after.
 import torch
 
 from .. import comm
-from ..comm import DEFAULT_BUCKET_BYTES, Buckets, GatherOrder, buckets_from_runs, gather_units
+from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs
 from ..module import CallbackLayer
 from ..strategy import Wrapper
+from ..units import GatherOrder, gather_units
 from .layers import LAYER_CLASSES
 
 

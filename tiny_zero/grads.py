@@ -1,0 +1,168 @@
+"""torch's conventions for p.grad, which a first reader of a strategy may
+skip: what p.grad shows, zero_grad (of all parameters or some), a p.grad set
+to None or assigned by the user, grads that autograd made outside a layer,
+and a grad that came on another rank only. Mixed into Wrapper."""
+from itertools import repeat
+from operator import attrgetter, is_, is_not
+
+import torch
+
+from . import comm
+from .guards import ShardedGrad
+
+GRAD = attrgetter("grad")  # read by map(), over many parameters in C
+
+
+class TorchGrads:
+    """Wrapper's methods that keep torch's p.grad conventions."""
+
+    def shown_grad(self, p):
+        return self.shown_at(self.buckets.index[id(p)])
+
+    def shown_at(self, i):
+        """What p.grad shows for the trainable parameter at index i, made once."""
+        shown = self.shown[i]
+        if shown is None:
+            shown = self.shown[i] = self.grad_attr(self.buckets.params[i])
+        return shown
+
+    def zero_grad(self, set_to_none=True, params=None):
+        """As torch's: p.grad None (or zero), and the wrapper's grads with it,
+        for every parameter or those in `params` (an optimizer's: others keep
+        accumulating, as in torch)."""
+        params = [p for _, p in self.named_params] if params is None else list(params)
+        if set_to_none:
+            for p in params:
+                p.grad = None
+        else:
+            for p in params:
+                if p.grad is not None and not isinstance(p.grad, ShardedGrad):
+                    p.grad.zero_()
+        slots = set(self.buckets.indices(params))
+        if len(slots) == len(self.shown):  # every trainable parameter
+            self.clip_coef = None  # nothing left to clip
+            self.clear_grads(set_to_none)
+            self.buckets.clear(keep_got_grad=not set_to_none)
+            if set_to_none:
+                self.showing.clear()
+                self.averaged.clear()
+        else:
+            if set_to_none:
+                for i in slots:
+                    self.showing.marks[i] = 0
+            self.clear_some_grads(params, slots, set_to_none)
+
+    def forget_cleared_grads(self):
+        """A p.grad that backward set and that was set to None since, outside
+        zero_grad() (model.module.zero_grad(), or `p.grad = None`, torch's cheap
+        zero_grad), clears that grad as in torch: the wrapper's own copy of it
+        goes too, which the next backward would otherwise add to."""
+        if not self.showing:  # zero_grad() since the last backward: nothing shown
+            return
+        shown = list(self.showing)
+        if all(map(is_not, map(GRAD, shown), repeat(None))):  # the test, one pass in C: none cleared
+            return
+        self.zero_grad(params=[p for p in shown if p.grad is None])
+
+    def remember_assigned_grads(self):
+        """The p.grad tensors that the wrapper did not make, as a backward
+        begins (assigned by the user: ddp steps with them, as torch would)."""
+        grads = list(map(GRAD, self.buckets.params))
+        if all(map(is_, grads, repeat(None))) or all(map(is_, grads, self.shown)):  # the usual: none assigned
+            self.assigned = {}
+            return
+        self.assigned = {i: (grad, grad._version) for i, (grad, shown) in enumerate(zip(grads, self.shown))
+                         if grad is not None and grad is not shown}
+
+    def refuse_grads_from_autograd(self):
+        """A p.grad that autograd made or added to in this backward: the
+        parameter was used outside its layer (F.linear(x, layer.weight),
+        x * norm.weight), where no strategy sees its grad, and it would be
+        stepped without it (zero3 and fsdp even computed with a released
+        parameter there)."""
+        grads = list(map(GRAD, self.buckets.params))
+        if all(map(is_, grads, repeat(None))) or all(map(is_, grads, self.shown)):  # the usual, one pass in C
+            return
+        for i in self.trainable_slots:  # in the model's order: the first such parameter is named
+            grad, before = grads[i], self.assigned.get(i, (None, None))
+            if grad is None or grad is self.shown[i] or (grad is before[0] and grad._version == before[1]):
+                continue
+            name = self.name_of[self.buckets.params[i]]
+            raise RuntimeError(f"{name} got a grad from autograd: it was used outside the layer that "
+                               "holds it (as in F.linear(x, layer.weight) or x * norm.weight), where the strategy "
+                               "neither gathers it nor sees its grad; use it through its layer (a tied nn.Linear "
+                               "head, as GPT-2's), or give the other use a parameter of its own")
+
+    @torch.no_grad()
+    def clear_some_grads(self, params, slots, set_to_none):
+        """zero_grad of some parameters only (`slots`: the indices of the
+        trainable ones): their places in model.grads and in the buckets are
+        zeroed (what the others hold stays)."""
+        names = {self.name_of[p] for p in params if p in self.name_of}
+        for piece in self.all_pieces():
+            grads = self.grads.get(piece.tensor)
+            if grads is not None and piece.name in names:
+                grads[piece.offset:piece.offset + piece.hi - piece.lo].zero_()
+        buckets = self.buckets
+        for i in slots:
+            bucket = buckets.list[buckets.home[i]]
+            if bucket.grads is not None:
+                buckets.own_view(bucket.grads, i).zero_()
+            bucket.parts.pop(i, None)
+            if set_to_none:
+                buckets.got_grad.marks[i] = 0
+                buckets.expected.marks[i] = 0
+
+    def refuse_foreign_grad(self, p):
+        raise RuntimeError(f"{self.name_of[p]} has a p.grad that tiny_zero's layers did not make (the parameter was "
+                           "used outside its layer, or p.grad was assigned): it would be ignored")
+
+    def got_elsewhere(self, missing, stepping, everyone_missed, all_alike=False):
+        """The parameters of `missing` (a forward on every rank used them; no
+        grad came here) whose grad came on another rank: their averages hold
+        it, and they step, as under torch DDP with find_unused_parameters.
+        Where some rank missed none (the lowest count of the step's check),
+        that is all of them; where every rank missed the same ones (a layer
+        whose output no loss reads), none; else the ranks tell each other
+        which they got: the one collective this costs, and only then.
+        ddp, whose step's check is not waited for (everyone_missed None),
+        tells by the averaged grads, which it holds whole: zero where no rank
+        had a grad. (Where the ranks that had one all had exact zeros, they
+        step it and this rank does not: the step's check then fails.)"""
+        if everyone_missed is None:
+            got = [p for p in missing if self.averaged_grad(p).any()]  # a host read, where a grad is missing only
+        elif everyone_missed and all_alike:
+            got = []
+        elif everyone_missed:
+            names = self.param_names()
+            candidates = sorted(stepping + list(missing), key=names.get)  # the same on every rank (agreed)
+            missing = set(missing)
+            flags = torch.tensor([float(p not in missing) for p in candidates], device=self.device)
+            comm.all_reduce(flags, group=self.replica_group)
+            got = [p for p, n in zip(candidates, flags.tolist()) if p in missing and n > 0]
+        else:
+            got = list(missing)
+        for p in got:
+            self.buckets.got_grad.add(p)
+            p.grad = self.shown_grad(p)
+            self.showing.add(p)
+        return got
+
+    def averaged_grad(self, p):
+        """p's averaged grad, where this rank holds it whole (one piece)."""
+        piece = next(piece for piece in self.all_pieces() if piece.name == self.name_of[p])
+        return self.grads[piece.tensor][piece.offset:piece.offset + piece.hi - piece.lo]
+
+    def take_assigned_grad(self, name, p):
+        """p.grad was replaced by another tensor: copy it in where the rank holds
+        the grad whole (ddp), as torch would step with it; else refuse."""
+        mine = self.shown_grad(p)
+        if isinstance(mine, ShardedGrad):
+            raise RuntimeError(f"p.grad of {name} was replaced, but {type(self).__name__} keeps averaged grads "
+                               "sharded: change grads through model.clip_grad_norm_ and the optimizer only")
+        mine.copy_(p.grad)
+        p.grad = mine
+
+    def sharded_grad(self, param):
+        """What p.grad shows where the averaged grad is sharded (grad_attr)."""
+        return ShardedGrad(param, type(self).__name__)

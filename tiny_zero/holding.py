@@ -1,0 +1,104 @@
+"""Helpers that lay out what a rank holds, used by some strategies only:
+parameters' values when wrapping (value, set_data, flatten, keep_whole),
+released parameters (released), fp32 masters (fp32_shards), and the
+averaged grads in model.grads (reduce_target, average_into, shard_grads,
+drop_grads). Mixed into Wrapper."""
+import torch
+
+from . import comm
+from .materialize import full_value, set_data
+
+
+class Holding:
+    """Wrapper's helpers for what a rank holds."""
+
+    def value(self, name, param):
+        """The full value of `param` on this rank's device: its own data, or
+        the model's init for a parameter built on meta."""
+        return full_value(self.module, name, param, self.device)
+
+    def set_data(self, param, value):
+        """Point param at value, when wrapping (see tiny_zero/materialize.py:
+        meta parameters too, whose swapped contents come with a new version
+        counter: what adopt_param_writes compares with is read again)."""
+        set_data(param, value)
+        self.versions[self.position[param]] = param._version
+
+    def broadcast_from_first_replica(self, tensor):
+        """Every replica takes the first one's values (replicas are consecutive
+        ranks; here the world, whose first is rank 0): all start alike."""
+        comm.broadcast(tensor, src=self.rank - self.replica, group=self.replica_group)
+
+    def released(self, param):
+        """What a parameter holds while this rank keeps none of it: its full
+        shape over a single shared zero, so p.shape and p.dim() stay true (for
+        param groups built after wrapping) and nothing is allocated; writing
+        into it fails."""
+        if param not in self.released_views:
+            if self.nothing is None:
+                self.nothing = torch.zeros((), dtype=self.param_dtype, device=self.device)
+            self.released_views[param] = self.nothing.expand(self.shapes[self.name_of[param]])
+        return self.released_views[param]
+
+    def fp32_shards(self, tensors):
+        """The fp32 tensors the optimizer steps for these flat tensors of
+        parameters: the tensors themselves in fp32, else fp32 masters (the
+        optimizer writes the low-precision copy back in the same pass)."""
+        if self.param_dtype == torch.float32:
+            return list(tensors)
+        masters = [t.detach().float() for t in tensors]
+        self.working.update(zip(masters, tensors))
+        return masters
+
+    def flatten(self, buckets, params):
+        """One flat buffer holding `params` in the buckets' layout; each
+        parameter becomes a view of it. Rank 0's values, on every rank."""
+        flat = torch.zeros(sum(b.numel for b in buckets), dtype=self.param_dtype, device=self.device)
+        name_of = self.param_names()
+        for p in params:
+            bucket = next(b for b in buckets if p in b.offsets)
+            view = bucket.view(flat, p)
+            view.copy_(self.value(name_of[p], p))
+            self.set_data(p, view)
+        self.broadcast_from_first_replica(flat)
+        return flat
+
+    def keep_whole(self, params):
+        """Parameters every rank keeps whole and never steps (frozen ones under
+        ddp, zero1, zero2): on this device, rank 0's values."""
+        name_of = self.param_names()
+        for p in params:
+            value = self.value(name_of[p], p)
+            self.broadcast_from_first_replica(value)
+            self.set_data(p, value)
+
+    def reduce_target(self, dest):
+        """Where a collective should write the sum for `dest` (part of
+        model.grads): dest itself if it holds nothing this step, else a new buffer."""
+        return dest if dest.data_ptr() not in self.averaged else torch.empty_like(dest)
+
+    def average_into(self, dest, average):
+        """dest = average (a collective's sum of grads divided by N, Buckets)
+        the first time in a step, dest += average after: the averaged grads
+        add up over backward passes, as p.grad does in torch. Where
+        reduce_target let the collective write into dest, it is there already."""
+        if dest.data_ptr() in self.averaged:
+            dest.add_(average)
+        elif average is not dest:
+            dest.copy_(average)
+        self.averaged.add(dest.data_ptr())
+
+    def shard_grads(self):
+        """model.grads of a strategy with one shard (zero3): made at a step's
+        first reduce, and freed by zero_grad (drop_grads)."""
+        if not self.grads:
+            self.grads = {self.shards[0]: torch.zeros_like(self.shards[0], dtype=self.reduce_dtype)}
+        return self.grads[self.shards[0]]
+
+    def drop_grads(self, set_to_none):
+        """zero_grad of model.grads made at a step's first reduce: freed, or zeroed."""
+        if set_to_none:
+            self.grads = {}  # the next reduce makes them again
+        else:
+            for g in self.grads.values():
+                g.zero_()
