@@ -159,7 +159,7 @@ def single_device_dtype(args):
 def param_groups(module, args):
     """AdamW's groups, as nanoGPT makes them: weight decay on the 2-D
     parameters (matmul weights, embeddings), none on the 1-D ones (biases,
-    norms). By shape, which a wrapped model keeps (tiny_zero/strategy.py)."""
+    norms). By shape, which a wrapped model keeps (tiny_zero/step.py)."""
     params = list(module.parameters())
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

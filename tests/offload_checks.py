@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import tiny_zero
-from tiny_zero import strategy
+from tiny_zero import optimizer
 from tiny_zero.measure.memory import TensorMemory
 from tiny_zero.offload.wrapper import host_cores
 from parity_checks import PER_RANK, ParityNet, global_batch
@@ -98,12 +98,12 @@ def step_on_every_core():
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
     opt = OFFLOAD_ADAMW(model, lr=1e-2)
-    threads, update = [], strategy.adamw_update_
-    strategy.adamw_update_ = lambda *a, **k: threads.append(torch.get_num_threads()) or update(*a, **k)
+    threads, update = [], optimizer.adamw_update_
+    optimizer.adamw_update_ = lambda *a, **k: threads.append(torch.get_num_threads()) or update(*a, **k)
     try:
         train(model, opt, range(1))
     finally:
-        strategy.adamw_update_ = update
+        optimizer.adamw_update_ = update
     share = host_cores()
     if not threads or set(threads) != {share} or torch.get_num_threads() != 1:
         return [f"rank {dist.get_rank()}: the step ran on {threads} threads (this rank's share: {share}), "

@@ -742,7 +742,7 @@ def eval_under_no_grad(name):
     for step in range(3):
         with torch.no_grad():
             model(*my_rows(global_batch(10 + step)))
-            if model.module_values_whole and dist.get_rank() == 0:
+            if model.params_whole_between_steps and dist.get_rank() == 0:
                 model.module(*my_rows(global_batch(20 + step)))
         if model.used:
             failures.append(f"{where} step {step}: a forward under no_grad was recorded for a backward")

@@ -36,7 +36,8 @@ import tiny_zero  # noqa: E402
 from tiny_zero.module.swap import DEFAULT_CLASSES  # noqa: E402
 from tiny_zero.pipeline import Pipeline, PipelineAdamW  # noqa: E402
 from tiny_zero.optimizer import StrategyAdamW  # noqa: E402
-from tiny_zero.strategy import StrategyLayer, Wrapper  # noqa: E402
+from tiny_zero.step import LayerMoments, StrategyLayer, Wrapper  # noqa: E402
+from tiny_zero.wrapping import ConversionGuard  # noqa: E402
 from tiny_zero.tensor import TensorParallel, TensorParallelAdamW  # noqa: E402
 
 DATA_PARALLEL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
@@ -108,7 +109,7 @@ def test_layers_define_the_mixin_and_layer_classes(name):
     assert set(module.LAYER_CLASSES) == set(DEFAULT_CLASSES)
     for torch_class, cls in module.LAYER_CLASSES.items():
         assert cls.__name__ == prefix(name) + DEFAULT_CLASSES[torch_class].__name__
-        assert cls.__mro__[1:4] == (StrategyLayer, mixin, DEFAULT_CLASSES[torch_class])
+        assert cls.__mro__[1:6] == (StrategyLayer, ConversionGuard, mixin, LayerMoments, DEFAULT_CLASSES[torch_class])
     assert CLASSES[name][0].layer_classes is module.LAYER_CLASSES
 
 

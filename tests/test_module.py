@@ -339,7 +339,7 @@ def test_parameters_never_go_to_autograd():
     """A layer's output is linked in autograd's graph to its input and to one
     leaf that all layers share (it tells a backward that fills p.grad from
     torch.autograd.grad), never to a parameter: the grads go through
-    accumulate_grad, where a strategy runs the parameters' grad hooks (linked,
+    grad_ready, where a strategy runs the parameters' grad hooks (linked,
     autograd would run them too, with no grad). Where the input does not
     require grad (indices, a first layer's input), the leaf makes the output
     require grad if a parameter does."""

@@ -113,7 +113,7 @@ def _run(kind, tensor, launch, async_op, group=None, alone=None):
     """Record and launch a collective. Over a group of one rank there is
     nothing to exchange: `alone()` does the local part of it (a copy, or
     nothing), and no call goes to the backend."""
-    settle_agreements()  # any collective: the ranks agreed first on what they are about to run
+    check_agreements()  # any collective: the ranks agreed first on what they are about to run
     stats.record(kind, tensor)
     launched = recorder.stamp() if recorder is not None else None
     if alone is not None and dist.get_world_size(group) == 1:
@@ -205,7 +205,7 @@ def exchange(sends=(), recvs=(), group=None):
 def all_gather_object(obj):
     """Every rank's `obj`, after the agreements in flight are settled (as
     before any collective: a disagreement is told first)."""
-    settle_agreements()
+    check_agreements()
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -264,10 +264,10 @@ def agree(what, group=None, wait=True, defer=False, **values):
         return None
     checks = [(what, values)] + _take_deferred(group)  # one all-reduce for this check and those waiting for it
     if wait:  # the earlier ones first: should one of them raise, nothing of this one is in flight
-        settle_agreements()
+        check_agreements()
     _send(group, checks)
     if wait:
-        settle_agreements()
+        check_agreements()
         return {name: _spreads.pop(name) for name in spread}
     return None
 
@@ -324,7 +324,7 @@ def _send(group, checks):
     _unsettled.append((Pending(work, f"the agreement on {named}", everyone), checks, named, everyone))
 
 
-def settle_agreements():
+def check_agreements():
     """Send the deferred agreements, then wait for every agreement sent so far
     and check them, in the order sent."""
     while _deferred:
@@ -388,7 +388,7 @@ def _settle_at_exit():
     _deferred.clear()
     while _unsettled:
         try:
-            settle_agreements()
+            check_agreements()
         except DisagreementError as e:
             print(f"tiny_zero, at exit: {e}", file=sys.stderr)
         except RuntimeError:

@@ -16,6 +16,15 @@ GRAD = attrgetter("grad")  # read by map(), over many parameters in C
 class TorchGrads:
     """Wrapper's methods that keep torch's p.grad conventions."""
 
+    def clear_grads(self, set_to_none):
+        """zero_grad(): drop (or zero) the local bucket grads and model.grads."""
+        raise NotImplementedError
+
+    def grad_attr(self, param):
+        """What p.grad shows once param has a grad: a view of its averaged grad
+        where a rank holds it whole, else a ShardedGrad that raises when used."""
+        raise NotImplementedError
+
     def shown_grad(self, p):
         return self.shown_at(self.buckets.index[id(p)])
 

@@ -69,7 +69,7 @@ class ForwardedAttributes:
             module = self.__dict__.get("_modules", {}).get("module")
             if module is None or not hasattr(module, name):
                 raise
-        if name == "generate" and not self.module_values_whole and self.world_size > 1:
+        if name == "generate" and not self.params_whole_between_steps and self.world_size > 1:
             # every forward sends collectives: a rank whose sequences have ended
             # runs forwards on until every rank's have (Hugging Face's synced_gpus)
             return functools.partial(module.generate, synced_gpus=True)

@@ -1,7 +1,7 @@
 """Helpers that lay out what a rank holds, used by some strategies only:
 parameters' values when wrapping (value, set_data, flatten, keep_whole),
 released parameters (released), fp32 masters (fp32_shards), and the
-averaged grads in model.grads (reduce_target, average_into, shard_grads,
+averaged grads in model.grads (reduce_target, average_into, averaged_grads,
 drop_grads). Mixed into Wrapper."""
 import torch
 
@@ -35,9 +35,9 @@ class Holding:
         param groups built after wrapping) and nothing is allocated; writing
         into it fails."""
         if param not in self.released_views:
-            if self.nothing is None:
-                self.nothing = torch.zeros((), dtype=self.param_dtype, device=self.device)
-            self.released_views[param] = self.nothing.expand(self.shapes[self.name_of[param]])
+            if self.released_zero is None:
+                self.released_zero = torch.zeros((), dtype=self.param_dtype, device=self.device)
+            self.released_views[param] = self.released_zero.expand(self.shapes[self.name_of[param]])
         return self.released_views[param]
 
     def fp32_shards(self, tensors):
@@ -88,12 +88,12 @@ class Holding:
             dest.copy_(average)
         self.averaged.add(dest.data_ptr())
 
-    def shard_grads(self):
-        """model.grads of a strategy with one shard (zero3): made at a step's
-        first reduce, and freed by zero_grad (drop_grads)."""
-        if not self.grads:
-            self.grads = {self.shards[0]: torch.zeros_like(self.shards[0], dtype=self.reduce_dtype)}
-        return self.grads[self.shards[0]]
+    def averaged_grads(self, shard):
+        """model.grads[shard] of a strategy that makes them as grads come
+        (zero3, fsdp): made at a step's first send, freed by zero_grad (drop_grads)."""
+        if shard not in self.grads:
+            self.grads[shard] = torch.zeros_like(shard, dtype=self.reduce_dtype)
+        return self.grads[shard]
 
     def drop_grads(self, set_to_none):
         """zero_grad of model.grads made at a step's first reduce: freed, or zeroed."""

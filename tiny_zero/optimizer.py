@@ -120,7 +120,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         comm.where = "the optimizer step"
         for group in self.param_groups:
             check_options(group)
-        model.settle()
+        model.free_gathered()
         written = model.param_writes()
         stepping = model.stepping(written)
         model.adopt_param_writes(written)  # after the agreement on how many were written

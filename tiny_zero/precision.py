@@ -85,6 +85,14 @@ class LossScaler:
     def scale(self):
         return self.tensor.item()  # a host read: for whoever asks, never the step
 
+    def check_scale_entered(self):
+        """fp16, as a backward pass begins: it starts from the model's output, where the scale enters."""
+        if self.loss_scaler is not None and not self.scale_entered:
+            raise RuntimeError("fp16: this backward does not start from the model's output, where the loss scale "
+                               "enters (a loss from a submodule's output, model.module.transformer(x)?): its grads "
+                               "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
+                               "loss from model(...) (or model.module(...))")
+
     @torch.no_grad()
     def update(self, found_inf):
         """After a step: found_inf, a 0-d tensor (nonzero: some grad was not

@@ -36,6 +36,15 @@ Piece = namedtuple("Piece", "name shape lo hi tensor offset replicated")
 class WrapperStateDicts:
     """Mixed into Wrapper: its state dicts, and where its pieces lie."""
 
+    def pieces(self):
+        """[Piece]: where this rank's part of each parameter lives."""
+        raise NotImplementedError
+
+    def gather_full(self):
+        """{parameter: its full fp32 value, on the CPU}; a collective where
+        parameters are sharded."""
+        raise NotImplementedError
+
     def full_state_dict(self):
         """Full fp32 values (the masters), keys as module.state_dict(), on every rank."""
         comm.where = "full_state_dict"
@@ -92,12 +101,12 @@ class WrapperStateDicts:
         the values; torch's own would write into parameters that the next step
         overwrites from the masters, or that hold nothing (released, sliced).
         state_dict(): where the parameters do not hold their whole values
-        between steps (module_values_whole False), raises instead of returning
+        between steps (params_whole_between_steps False), raises instead of returning
         those; model.state_dict() gathers them."""
         for path, sub in self.module.named_modules():
             prefix = path + "." if path else ""
             sub.__dict__["load_state_dict"] = functools.partial(self.load_module_state_dict, sub, prefix)
-            if not self.module_values_whole:
+            if not self.params_whole_between_steps:
                 sub.register_state_dict_pre_hook(self.refuse_module_state_dict)
 
     def load_module_state_dict(self, sub, prefix, state_dict, strict=True, assign=False):
@@ -172,7 +181,7 @@ class WrapperStateDicts:
         apart = {name: [piece for piece in pieces.get(name, [])  # the pieces the write is not in
                         if piece.tensor.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()]
                  for name, p in written.items()}
-        if not self.module_values_whole:
+        if not self.params_whole_between_steps:
             self.refuse_lost_writes([name for name, mine in apart.items() if mine])
         for name, mine in apart.items():
             values = written[name].detach().reshape(-1)

@@ -1,6 +1,10 @@
-"""zero3's and fsdp's units (gather_units: a block, by default), and the
-order in which layers run, recorded on the first step (GatherOrder): which
-unit comes next, to gather it ahead, and which the next layer still uses."""
+"""zero3's and fsdp's units, what is gathered and freed together (gather_units:
+a block, by default); the order in which layers run, recorded on the first
+step (GatherOrder): which unit comes next, to gather it ahead, and which the
+next layer still uses; and the gathers and frees that order decides
+(Gathering: unshard before a layer, reshard after). How a unit is gathered
+(zero3: broadcasts from its owners; fsdp: one all-gather of its slices) is
+the strategy's, in its wrapper.py: gather(unit)."""
 import torch
 
 from .comm import agree
@@ -125,3 +129,72 @@ def gather_units(module, layers, units):
     for layer in layers:
         grouped.setdefault(owner.get(layer, layer), []).append(layer)
     return list(grouped.items())
+
+
+class Gathering:
+    """zero3's and fsdp's gathers and frees, around each layer (layers.py's
+    moments). The strategy sets self.order (a GatherOrder), and per unit
+    self.full (its buffer, memory let go while not gathered) and self.views
+    ([(parameter, its view of the buffer, its released value)]), and
+    starts a unit's gather with gather(unit) -> (buffer, [its handles])."""
+
+    def start_gathering(self, units_of):
+        self.order = GatherOrder(units_of)
+        self.gathered = {}  # unit -> (its buffer, [its gather's handles]), while its layers use it
+        self.in_flight = {}  # unit -> the same, a gather started ahead of use
+
+    def unshard(self, layer, training, backward):
+        """Before a layer computes: its units gathered, the next one's started."""
+        missing = [u for u in self.units_of[layer] if u not in self.gathered]
+        self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
+        if not missing:
+            return
+        for unit in missing:
+            self.gathered[unit] = self.in_flight.pop(unit, None) or self.gather(unit)  # gather (the strategy's: gather)
+        ahead = self.order.next_unit(self.gathered)
+        if ahead is not None and ahead not in self.in_flight:
+            self.in_flight[ahead] = self.gather(ahead)  # prefetch the next unit while this one computes
+        for unit in missing:
+            for handle in self.gathered[unit][1]:
+                handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
+            for p, full, _ in self.views[unit]:
+                p.data = full  # the view made once: the parameter shows the gathered values
+
+    def reshard(self, layer):
+        """After a layer computed: free the units the next layer does not use."""
+        keep = self.order.still_needed()
+        for unit in [u for u in self.gathered if u not in keep]:
+            self.free(unit)  # free behind: the next layer does not use it
+
+    def free(self, unit):
+        """A unit's gathered values: released, and their memory gone (its gather waited for)."""
+        del self.gathered[unit]
+        for p, _, released in self.views[unit]:
+            p.data = released  # reading a freed buffer would read memory that is gone
+        self.full[unit].untyped_storage().resize_(0)  # the memory goes
+
+    def free_gathered(self):
+        """Nothing gathered or in flight outlives a pass (stale after a step)."""
+        self.gathered.update(self.in_flight)  # gathered ahead, unused: waited for (it may write), then freed
+        self.in_flight.clear()
+        for unit in list(self.gathered):
+            for handle in self.gathered[unit][1]:
+                handle.wait()
+            self.free(unit)
+
+    def skip_to(self, layer):
+        """`layer`'s backward begins where the recorded order expected others'
+        first: their output reached no loss on this rank (a head in some
+        ranks' loss only). Do what their backward sends on the ranks where
+        it ran: gather, free, and send their buckets once their uses are
+        counted done (with zeros where no grad came)."""
+        order = self.order
+        if not order.backward:  # not after a layer's backward of this pass
+            return
+        skipped = order.next_layer()
+        while skipped is not None and skipped is not layer and layer in order.order[:order.position - 1]:
+            self.unshard(skipped, training=False, backward=True)
+            for bucket in self.buckets.skip(skipped.trained, send=self.require_grad_sync):
+                self.send(bucket)
+            self.reshard(skipped)
+            skipped = order.next_layer()

@@ -6,7 +6,7 @@ as it is, against a no-op put in its place, on the example GPT.
 
 Before the first collective of every backward pass and before every
 optimizer step, the ranks check that they are about to do the same thing
-(tiny_zero/strategy.py: Wrapper.backward_started and Wrapper.stepping); zero3
+(tiny_zero/step.py: Wrapper.backward_started and Wrapper.stepping); zero3
 and fsdp also check before gathering a layer that the recorded order did not
 predict (tiny_zero/comm.py: GatherOrder). Each check is one all-reduce of a few
 integers on a gloo side group; ddp's step check goes out with the next

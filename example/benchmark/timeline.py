@@ -91,7 +91,7 @@ def train_step(model, opt, x, y):
     """The examples' step."""
     loss = model(x, y)
     loss.backward()
-    if isinstance(model, tiny_zero.strategy.Wrapper):
+    if isinstance(model, tiny_zero.step.Wrapper):
         model.clip_grad_norm_(common.MAX_GRAD_NORM)
     else:
         torch.nn.utils.clip_grad_norm_(model.parameters(), common.MAX_GRAD_NORM)

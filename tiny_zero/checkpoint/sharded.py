@@ -58,7 +58,7 @@ def save(path, model, opt, *, step=0, extra=None):
     comm.where = "saving a checkpoint"
     failed = f"saving checkpoint {path} failed"
     saving = saving_dir(path)
-    comm.settle_agreements()  # ranks that disagree on a step (their replicas apart) write nothing
+    comm.check_agreements()  # ranks that disagree on a step (their replicas apart) write nothing
     _agree(failed, _attempt(_start_saving, path, saving)[1] if model.rank == 0 else None)
     info, error = _attempt(_write_shard, saving, model, opt)
     infos = _agree(failed, error, info)  # every rank's file is complete after this

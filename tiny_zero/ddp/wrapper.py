@@ -16,14 +16,14 @@ import torch
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..state_dicts import Piece
-from ..strategy import Wrapper
+from ..step import Wrapper
 from .layers import LAYER_CLASSES
 
 
 class DDP(Wrapper):
     layer_classes = LAYER_CLASSES
     grads_replicated = True
-    quiet_until_backward = True  # no collective in forward or step
+    defer_step_agreement = True  # no collective in forward or step
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
@@ -40,7 +40,7 @@ class DDP(Wrapper):
         bucket.handle = comm.all_reduce(bucket.grads, async_op=True)  # STRATEGY: every rank gets the sum
 
     @torch.no_grad()
-    def reduce_grads(self):
+    def after_backward(self):
         for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
             self.all_reduce(bucket)
         # grads averaged before (no zero_grad) were the same on every rank: / N, summed, they stay

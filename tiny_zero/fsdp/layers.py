@@ -6,31 +6,22 @@ buffer; a unit whose grads are final is reduce-scattered at once,
 asynchronously (wrapper.py). At world 1 nothing is gathered or freed.
 
 Compare with ../zero3/layers.py: the same gather, compute, free; only how a
-layer is gathered and where its grads go differ, in wrapper.py."""
-from ..module import expects_backward
-from ..strategy import layer_classes
+unit is gathered and where its grads go differ, in wrapper.py."""
+from ..step import layer_classes
 
 
 class FSDPLayer:
-    def forward_callback(self, ctx, x):
+    def before_layer(self, training, backward):
         fsdp = self.wrapper
         if fsdp.gathers:
-            fsdp.unshard(self, training=expects_backward(ctx))  # STRATEGY: gather: all-gather the unit
-        y = super().forward_callback(ctx, x)
-        if fsdp.gathers:
-            fsdp.reshard(self)  # STRATEGY: free: nothing full is kept for backward
-        return y
+            fsdp.unshard(self, training, backward)  # STRATEGY: gather: all-gather the unit
 
-    def backward_callback(self, ctx, grad_out):
+    def after_layer(self):
         fsdp = self.wrapper
         if fsdp.gathers:
-            fsdp.unshard(self, backward=True)  # STRATEGY: gathered again
-        grad_in = super().backward_callback(ctx, grad_out)
-        if fsdp.gathers:
-            fsdp.reshard(self)  # STRATEGY: and freed again
-        return grad_in
+            fsdp.reshard(self)  # STRATEGY: free: nothing full is kept for backward, or for the next layer
 
-    def accumulate_grad(self, param, grad):
+    def grad_ready(self, param, grad):
         fsdp = self.wrapper
         for unit in fsdp.buckets.add(param, grad, send=fsdp.require_grad_sync):
             fsdp.reduce_scatter(unit)  # STRATEGY: now, async; backward goes on

@@ -3,7 +3,7 @@
 A rank holds: for each unit (a transformer block by default; `units=` picks
 module classes or names; a layer outside them is a unit of its own), a 1/N
 slice of its parameters, flattened and padded (trainable and frozen ones
-apart), all its trainable slices in one flat buffer (local), each slice's
+apart), all its trainable slices in one flat buffer, each slice's
 averaged grads (from the unit's reduce-scatter to zero_grad) and optimizer
 state; a full buffer per unit, made once, whose memory exists only while the
 unit's layers run, and the next unit's, gathered ahead. Each parameter has a
@@ -22,14 +22,14 @@ import torch
 from .. import comm
 from ..buckets import Buckets, buckets_from_runs
 from ..module import CallbackLayer
-from ..strategy import Wrapper
-from ..units import GatherOrder, gather_units
+from ..step import Wrapper
+from ..units import Gathering, gather_units
 from .layers import LAYER_CLASSES
 
 
-class FSDP(Wrapper):
+class FSDP(Gathering, Wrapper):
     layer_classes = LAYER_CLASSES
-    module_values_whole = False  # the parameters: released between uses
+    params_whole_between_steps = False  # the parameters: released between uses
 
     def __init__(self, module, units=None, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
@@ -40,7 +40,7 @@ class FSDP(Wrapper):
         self.gathers = self.world_size > 1  # world 1: every unit is whole here, its slice
         trainable = [u for u in units if u.params[0].requires_grad]
         self.slices, self.slice_start = {}, {}
-        self.local = self.keep_slices(trainable)  # STRATEGY: 1/N of every tensor
+        self.keep_slices(trainable)  # STRATEGY: 1/N of every tensor
         self.frozen_local = self.keep_slices([u for u in units if not u.params[0].requires_grad])
         self.buckets = Buckets(trainable[::-1], self.reduce_dtype, self.device,  # the last layer's grads first,
                                average_over=self.world_size)  # STRATEGY: each unit's / N, as it is flattened to be sent
@@ -49,8 +49,7 @@ class FSDP(Wrapper):
         self.full, self.views = {}, {}  # unit -> its full buffer; [(parameter, its view of it, released)]
         for unit in units if self.gathers else ():
             self.make_buffer(unit)
-        self.order = GatherOrder(self.units_of) if self.gathers else None
-        self.gathered = {}  # unit -> (its buffer, its all-gather), while its layers use it
+        self.start_gathering(self.units_of)
         self.sending = []  # (unit, reduce-scatter, its averaged grads, the sum) in flight
 
     def keep_slices(self, units):
@@ -85,76 +84,29 @@ class FSDP(Wrapper):
         full.untyped_storage().resize_(0)
         self.full[unit] = full
 
-    # ------------------------------------------------------------ gather, free
+    # ------------------------------------------------------------ gather (when: units.Gathering)
 
-    def unshard(self, layer, training=False, backward=False):
-        """Before a layer computes: its units all-gathered, the next one's started."""
-        missing = [u for u in self.units_of[layer] if u not in self.gathered]
-        self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
-        if not missing:
-            return
-        for unit in missing:
-            self.gathered[unit] = self.in_flight.pop(unit, None) or self.all_gather(unit)  # STRATEGY: gather
-        ahead = self.order.next_unit(self.gathered)
-        if ahead is not None and ahead not in self.in_flight:
-            self.in_flight[ahead] = self.all_gather(ahead)  # STRATEGY: prefetch the next unit while this one computes
-        for unit in missing:
-            self.gathered[unit][1].wait()  # before anything reads the buffer (on CUDA: the stream waits)
-            for p, full, _ in self.views[unit]:
-                p.data = full  # the view made once: the parameter shows the gathered values
-
-    def all_gather(self, unit):
+    def gather(self, unit):
         """Start a unit's all-gather into its buffer, grown back to full size."""
         full = self.full[unit]
         full.untyped_storage().resize_(full.numel() * full.element_size())  # STRATEGY: memory for the full unit
-        return full, comm.all_gather(full, self.slices[unit], async_op=True)  # STRATEGY: N slices -> full
-
-    def reshard(self, layer):
-        """After a layer computed: free the units the next layer does not use."""
-        keep = self.order.still_needed()
-        for unit in [u for u in self.gathered if u not in keep]:
-            self.free(unit)  # STRATEGY: free behind: the next layer does not use it
-
-    def free(self, unit):
-        """The unit's parameters: released, and their memory gone (all-gather waited for)."""
-        del self.gathered[unit]
-        for p, _, released in self.views[unit]:
-            p.data = released  # reading a freed buffer would read memory that is gone
-        self.full[unit].untyped_storage().resize_(0)  # STRATEGY: free the full unit
-
-    def settle(self):
-        """Nothing gathered or in flight outlives a pass (stale after a step)."""
-        self.gathered.update(self.in_flight)  # gathered ahead, unused: waited for (it may write), then freed
-        self.in_flight.clear()
-        for unit in list(self.gathered):
-            self.gathered[unit][1].wait()
-            self.free(unit)
+        return full, [comm.all_gather(full, self.slices[unit], async_op=True)]  # STRATEGY: N slices -> full
 
     # ------------------------------------------------------------ grads
 
     @torch.no_grad()
     def reduce_scatter(self, unit):
-        """Send a unit whose grads are final; then finish the one sent before it.
-        At world 1 the unit's grads are the sum: nothing is sent."""
-        dest = self.unit_grads(unit)
+        """Send a unit whose grads are final. At world 1 the unit's grads are
+        the sum: nothing is sent."""
+        dest = self.averaged_grads(self.shard_of[unit])
         if self.world_size == 1:
-            self.sending.append((unit, None, dest, unit.grads))
+            self.sent(unit, None, dest, unit.grads)
         else:
             out = self.reduce_target(dest)
             handle = comm.reduce_scatter(out, unit.grads, async_op=True)  # STRATEGY: each rank gets its slice's sum
-            self.sending.append((unit, handle, dest, out))
-        if len(self.sending) > 1:
-            self.finish(*self.sending.pop(0))
+            self.sent(unit, handle, dest, out)
 
-    def unit_grads(self, unit):
-        """The averaged grads of this rank's slice of a unit: made at the unit's
-        first reduce-scatter of a step, freed by zero_grad (drop_grads)."""
-        shard = self.shard_of[unit]
-        if shard not in self.grads:
-            self.grads[shard] = torch.zeros_like(shard, dtype=self.reduce_dtype)
-        return self.grads[shard]
-
-    send = reduce_scatter  # a layer skipped in backward (Wrapper.skip_to)
+    send = reduce_scatter
 
     def finish(self, unit, handle, dest, out):
         if handle is not None:
@@ -162,12 +114,7 @@ class FSDP(Wrapper):
         self.average_into(dest, out)
         unit.grads = None  # STRATEGY: free the unit's full grads; only this rank's slice of the sum stays
 
-    @torch.no_grad()
-    def reduce_grads(self):
-        for unit in self.buckets.unsent():  # what backward did not send: parameters used no more
-            self.reduce_scatter(unit)
-        while self.sending:
-            self.finish(*self.sending.pop(0))
+    after_backward = Wrapper.send_the_rest
 
     def clear_grads(self, set_to_none):
         self.drop_grads(set_to_none)

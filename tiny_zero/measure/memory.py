@@ -30,7 +30,7 @@ against what the model and optimizer hold at that moment (held_tensors()):
     optimizer_state  exp_avg, exp_avg_sq, step, and the fp32 masters under
                      mixed precision (offload: always, on the host)
     gradients        the grads the optimizer will read (model.grads, p.grad):
-                     ddp and zero1: the full flat_grads; zero2: grad_shard;
+                     ddp and zero1: the full flat_grads; zero2: grad_chunks;
                      zero3: the owned grads; fsdp: the grads of its slices;
                      offload: host_grads
     comm_buffers     what exists only to be communicated: full-grad buckets
@@ -352,7 +352,7 @@ def held_tensors(model, optimizer=None):
 
 def wrapper_held(model, optimizer_state):
     """What a tiny_zero wrapper holds, from what every strategy declares
-    (tiny_zero/strategy.py: shards, working, grads, buckets, in_flight,
+    (tiny_zero/step.py: shards, working, grads, buckets, in_flight,
     nothing, host). fp32 masters count as optimizer state, as the ZeRO paper
     counts them: on the host they are the pieces' tensors (offload)."""
     host = {id(t) for t in model.host}
@@ -364,9 +364,9 @@ def wrapper_held(model, optimizer_state):
     temporary += [part for b in buckets for part in b.parts.values()]
     # the buffers of gathers started ahead, and of those done (zero3, fsdp: from the start of the
     # gather, before the parameters point into them)
-    gathered = list(model.in_flight.values()) + list(getattr(model, "gathered", {}).values())
+    gathered = list(getattr(model, "in_flight", {}).values()) + list(getattr(model, "gathered", {}).values())
     return {"parameters": [model.working.get(t, t) for t in stored if id(t) not in host]
-            + [getattr(model, "flat_params", None), model.nothing],
+            + [getattr(model, "flat_params", None), model.released_zero],
             "optimizer_state": optimizer_state + masters,
             "gradients": list(model.grads.values()) + grads + [buckets.flat],
             "comm_buffers": temporary + gathered + [p for _, p in model.named_params] + model.host}

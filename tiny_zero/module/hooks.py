@@ -5,7 +5,7 @@ layers without a strategy refuse them."""
 
 def has_grad_hook(param):
     """autograd runs a parameter's hooks as it adds the parameter's grad in;
-    tiny_zero's layers hand each grad to accumulate_grad instead, where a
+    tiny_zero's layers hand each grad to grad_ready instead, where a
     strategy runs them (run_grad_hooks), and the layers alone refuse them."""
     return bool(param._backward_hooks or param._post_accumulate_grad_hooks)
 
@@ -16,7 +16,7 @@ def check_no_grad_hooks(param):
     if has_grad_hook(param):
         raise RuntimeError(f"a parameter of shape {tuple(param.shape)} has a grad hook (Tensor.register_hook or "
                            "register_post_accumulate_grad_hook): tiny_zero's layers without a strategy hand each "
-                           "grad to accumulate_grad, not to autograd, so it would never run; remove it, act on "
+                           "grad to grad_ready, not to autograd, so it would never run; remove it, act on "
                            "p.grad after backward(), or wrap the model in a strategy, which runs it")
 
 

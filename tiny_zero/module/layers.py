@@ -8,12 +8,12 @@ autograd.Function:
 
     forward  -> layer.forward_callback(ctx, x)      returns the output
     backward -> layer.backward_callback(ctx, grad)  returns the input's grad and
-                hands each parameter's grad to layer.accumulate_grad(param, g)
+                hands each parameter's grad to layer.grad_ready(param, g)
 
 A strategy subclasses a layer and overrides these three methods to add
 communication: gather the weights before the math, free them after, and send
 each gradient away as soon as it is final. The parameters are not inputs of
-the Function: their grads are delivered by accumulate_grad, never by
+the Function: their grads are delivered by grad_ready, never by
 autograd, so a strategy decides where a gradient lives (and runs the
 parameters' grad hooks, as autograd would: run_grad_hooks). One leaf that all
 layers share is the Function's input instead: it makes the output require
@@ -137,7 +137,7 @@ class CallbackLayer:
         """The parameters that require grad."""
         return [p for p in self._parameters.values() if p is not None and p.requires_grad]
 
-    def accumulate_grad(self, param, grad):
+    def grad_ready(self, param, grad):
         """Default sink: add into param.grad, as autograd would. Called only
         for parameters that require grad (a frozen one's grad is never computed)."""
         check_no_grad_hooks(param)
@@ -165,9 +165,9 @@ class Linear(CallbackLayer, nn.Linear):
         grad_x = grad_out @ weight if ctx.needs_input_grad[1] else None  # dx = dy W
         dy = _rows(grad_out, self.out_features)
         if trains(ctx, weight):
-            self.accumulate_grad(weight, dy.t() @ _rows(x, self.in_features))  # dW = dyᵀ x
+            self.grad_ready(weight, dy.t() @ _rows(x, self.in_features))  # dW = dyᵀ x
         if trains(ctx, bias):
-            self.accumulate_grad(bias, dy.sum(0))  # db = Σ dy
+            self.grad_ready(bias, dy.sum(0))  # db = Σ dy
         return grad_x
 
 
@@ -230,9 +230,9 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
 
     def _accumulate(self, grad_w, grad_b):
         if grad_w is not None:
-            self.accumulate_grad(self.weight, grad_w)
+            self.grad_ready(self.weight, grad_w)
         if grad_b is not None:
-            self.accumulate_grad(self.bias, grad_b)
+            self.grad_ready(self.bias, grad_b)
 
 
 class RMSNorm(CallbackLayer, nn.RMSNorm):
@@ -291,7 +291,7 @@ class RMSNorm(CallbackLayer, nn.RMSNorm):
             grad_x, grad_w = fused.rms_norm_backward(grad_out, x, self.weight, rstd, needs, self.cast_before_scale,
                                                      self.weight_offset)
             if grad_w is not None:
-                self.accumulate_grad(self.weight, grad_w)
+                self.grad_ready(self.weight, grad_w)
             return grad_x
         xhat = x.to(rstd.dtype) * rstd
         width = math.prod(self.normalized_shape)
@@ -300,12 +300,12 @@ class RMSNorm(CallbackLayer, nn.RMSNorm):
         elif self.cast_before_scale:  # y = w h with h = cast(x̂)
             h = self._cast(xhat, x)
             if trains(ctx, self.weight):  # dw = Σ dy h
-                self.accumulate_grad(self.weight, _rows(grad_out * h, width).sum(0).view_as(self.weight))
+                self.grad_ready(self.weight, _rows(grad_out * h, width).sum(0).view_as(self.weight))
             g = (grad_out * self.weight).to(h.dtype).to(rstd.dtype)  # dh = dy w, rounded to h's dtype as autograd does
         else:  # y = cast(x̂ s) with s = w + offset in fp32
             dy = grad_out.to(rstd.dtype)
             if trains(ctx, self.weight):  # dw = Σ dy x̂
-                self.accumulate_grad(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))
+                self.grad_ready(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))
             g = dy * self._scale(dy.dtype)
         if not ctx.needs_input_grad[1]:
             return None
@@ -330,7 +330,7 @@ class Embedding(CallbackLayer, nn.Embedding):
         grad_w.index_add_(0, idx.reshape(-1), _rows(grad_out, self.embedding_dim))  # scatter-add rows
         if self.padding_idx is not None:
             grad_w[self.padding_idx] = 0  # the padding row never learns
-        self.accumulate_grad(self.weight, grad_w)
+        self.grad_ready(self.weight, grad_w)
         return None  # indices have no grad
 
 
@@ -360,7 +360,7 @@ class Conv1D(CallbackLayer, nn.Module):
         grad_x = grad_out @ self.weight.t() if ctx.needs_input_grad[1] else None  # dx = dy Wᵀ
         dy = _rows(grad_out, self.nf)
         if trains(ctx, self.weight):
-            self.accumulate_grad(self.weight, _rows(x, self.nx).t() @ dy)  # dW = xᵀ dy, [in, out]
+            self.grad_ready(self.weight, _rows(x, self.nx).t() @ dy)  # dW = xᵀ dy, [in, out]
         if trains(ctx, self.bias):
-            self.accumulate_grad(self.bias, dy.sum(0))  # db = Σ dy
+            self.grad_ready(self.bias, dy.sum(0))  # db = Σ dy
         return grad_x

@@ -154,13 +154,14 @@ def own_forward(cls):
     return ""
 
 
-def layer_classes(*mixins):
+def layer_classes(*mixins, name_from=None):
     """A strategy's layers: for each kind, the tiny_zero layer with the
     mixins' callbacks in front (DDPLayer -> DDPLinear(..., DDPLayer, Linear)),
-    named after the last mixin. Returns {kind: that class}, what
+    named after the mixin `name_from` (default: the last). Returns {kind: that class}, what
     swap_layers() takes."""
-    prefix = mixins[-1].__name__.removesuffix("Layer")
-    return {kind: type(prefix + layer.__name__, (*mixins, layer), {"__module__": mixins[-1].__module__})
+    name_from = name_from or mixins[-1]
+    prefix = name_from.__name__.removesuffix("Layer")
+    return {kind: type(prefix + layer.__name__, (*mixins, layer), {"__module__": name_from.__module__})
             for kind, layer in DEFAULT_CLASSES.items()}
 
 

@@ -4,11 +4,11 @@ asynchronously, during backward; when that finishes, this rank's slice of the
 sum is copied to the host and the bucket's full grads are freed (wrapper.py).
 
 Compare with ../zero2/layers.py: the same; what moves to the host is in wrapper.py."""
-from ..strategy import layer_classes
+from ..step import layer_classes
 
 
 class ZeroOffloadLayer:
-    def accumulate_grad(self, param, grad):
+    def grad_ready(self, param, grad):
         offload = self.wrapper
         for bucket in offload.buckets.add(param, grad, send=offload.require_grad_sync):
             offload.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on

@@ -29,7 +29,7 @@ import torch
 
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
-from ..strategy import Wrapper
+from ..step import Wrapper
 from .layers import LAYER_CLASSES
 
 
@@ -64,30 +64,26 @@ class ZeroOffload(Wrapper):
 
     @torch.no_grad()
     def reduce_scatter(self, bucket):
-        """Send a bucket whose grads are final; then finish the one sent before
-        it (it had this bucket's backward to complete)."""
+        """Send a bucket whose grads are final."""
         out = torch.empty(bucket.numel // self.world_size, dtype=self.reduce_dtype, device=self.device)
         handle = comm.reduce_scatter(out, bucket.grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
-        self.sending.append((bucket, handle, out))
-        if len(self.sending) > 1:
-            self.finish(*self.sending.pop(0))
+        self.sent(bucket, handle, out)
+
+    send = reduce_scatter
 
     def finish(self, bucket, handle, out):
         handle.wait()
         bucket.grads = None  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
         dest = self.grads[self.shards[bucket.index]]
-        # the step's first average lands in place; a later backward's is added on the host (reduce_grads)
+        # the step's first average lands in place; a later backward's is added on the host (after_backward)
         land = dest if dest.data_ptr() not in self.averaged else self.host_empty(dest.numel(), dest.dtype)
         self.to_host(land, out)  # STRATEGY: the average to the host; backward goes on
         self.averaged.add(dest.data_ptr())
         self.landing.append((dest, land))
 
     @torch.no_grad()
-    def reduce_grads(self):
-        for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
-            self.reduce_scatter(bucket)
-        while self.sending:
-            self.finish(*self.sending.pop(0))
+    def after_backward(self):
+        self.send_the_rest()
         self.wait_for_copies()  # the host reads the grads next
         with self.host_threads():
             for dest, land in self.landing:

@@ -6,13 +6,13 @@ place; in the last, a bucket is all-reduced among the replicas as soon as its
 grads are final, while the backward goes on (wrapper.py: Pipeline.all_reduce).
 Nothing is gathered: a stage holds all of its parameters. The activations
 between stages are not the layers' business: the schedule sends them."""
-from ..strategy import layer_classes
+from ..step import layer_classes
 
 
 class PipelineLayer:
-    def accumulate_grad(self, param, grad):
+    def grad_ready(self, param, grad):
         pipe = self.wrapper
-        for bucket in pipe.buckets.add(param, grad, send=pipe.syncing):  # syncing: the last micro-batch's backward
+        for bucket in pipe.buckets.add(param, grad, send=pipe.averaging):  # averaging: the last micro-batch's backward
             pipe.all_reduce(bucket)  # STRATEGY: now, async; backward goes on
 
 

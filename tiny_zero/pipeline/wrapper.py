@@ -23,7 +23,7 @@ Collectives:
   among the stage's replicas, as soon as it is final (layers.py); at the end,
   the waits and the division by R.
 - a tied parameter's grad goes to its owner, which adds it to its own before
-  the step (reduce_grads); after the step the owner sends the new value back
+  the step (after_backward); after the step the owner sends the new value back
   (sync_params).
 - per step: the agreement on it (comm.agree over the world) and one scalar
   all_reduce of the loss.
@@ -36,7 +36,7 @@ from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs, make_buckets
 from ..distributed import init_distributed
 from ..precision import ScaleGrad
-from ..strategy import Wrapper
+from ..step import Wrapper
 from .layers import LAYER_CLASSES
 from .messages import PointToPoint, flatten, grad_of, on_the_wire, unflatten
 from .schedule import FORWARD, SCHEDULES
@@ -45,7 +45,7 @@ from .stages import stage_sizes
 
 class Pipeline(PointToPoint, Wrapper):
     layer_classes = LAYER_CLASSES
-    module_values_whole = False  # the parameters: only this stage's
+    params_whole_between_steps = False  # the parameters: only this stage's
 
     def __init__(self, seq, loss_fn, microbatches=4, schedule="1f1b", stages=None, balance=None,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
@@ -68,7 +68,7 @@ class Pipeline(PointToPoint, Wrapper):
         held = [{p for child in run for p in child.parameters()} for run in children]
         self.holders = {p: [s for s in range(stages) if p in held[s]] for _, p in self.named_params}
         self.hold(held[self.stage], bucket_bytes)
-        self.syncing = False  # True in the last micro-batch's backward: buckets are sent as they fill
+        self.averaging = False  # True in the last micro-batch's backward: buckets are sent as they fill
         # {the shapes of an input micro-batch: the Layout of what this stage sent or received for it}
         self.sent_layouts, self.received_layouts = {}, {}
 
@@ -114,7 +114,7 @@ class Pipeline(PointToPoint, Wrapper):
         Returns the mean loss over micro-batches and replicas (a float, the
         same on every rank)."""
         self.run(self.actions, x, y, "train_step")
-        self.backward_done()  # as at the end of a backward pass: reduce_grads(), then p.grad
+        self.backward_done()  # as at the end of a backward pass: after_backward(), then p.grad
         return self.mean_loss()
 
     @torch.no_grad()
@@ -127,7 +127,7 @@ class Pipeline(PointToPoint, Wrapper):
         """Run this stage's actions (schedule.py), in order."""
         self.micro_batches(x, y, what)
         self.saved, self.outbox, self.sending, self.losses = {}, [], [], []
-        self.syncing = False
+        self.averaging = False
         for kind, m in actions:
             comm.where = f"stage {self.stage}, {what} {kind}{m}"
             if kind == FORWARD:
@@ -197,7 +197,7 @@ class Pipeline(PointToPoint, Wrapper):
             next_stage = self.rank_of(self.stage + 1)
             self.exchange([(g, next_stage) for g in grads if g.numel()])  # STRATEGY: d loss / d out
         if m == self.microbatches - 1:
-            self.syncing = self.require_grad_sync  # the grads are final in this backward
+            self.averaging = self.require_grad_sync  # the grads are final in this backward
         if outs:
             torch.autograd.backward(outs, grads)
         self.buckets.add_held()  # grad hooks run once per micro-batch's backward, as in torch
@@ -238,7 +238,7 @@ class Pipeline(PointToPoint, Wrapper):
             bucket.handle = comm.all_reduce(bucket.grads, async_op=True, group=self.replica_group)  # STRATEGY
 
     @torch.no_grad()
-    def reduce_grads(self):
+    def after_backward(self):
         for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
             self.all_reduce(bucket)
         self.buckets.wait()  # STRATEGY: the replicas' averages, at the end of the step

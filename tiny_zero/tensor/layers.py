@@ -20,11 +20,11 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from ..strategy import layer_classes
+from ..step import layer_classes
 
 
 class TensorParallelLayer:
-    def accumulate_grad(self, param, grad):
+    def grad_ready(self, param, grad):
         tp = self.wrapper
         for bucket in tp.buckets.add(param, grad, send=tp.require_grad_sync):  # into flat_grads
             tp.all_reduce(bucket)  # STRATEGY: across the replicas, now, async; backward goes on

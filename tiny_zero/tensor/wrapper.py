@@ -37,7 +37,7 @@ from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..distributed import init_distributed
 from ..state_dicts import Piece
-from ..strategy import Wrapper
+from ..step import Wrapper
 from .layers import COLUMN_LINEAR, LAYER_CLASSES, ROW_LINEAR
 
 SPLITS = ("column", "row")
@@ -45,7 +45,7 @@ SPLITS = ("column", "row")
 
 class TensorParallel(Wrapper):
     layer_classes = LAYER_CLASSES
-    module_values_whole = False  # the parameters: slices
+    params_whole_between_steps = False  # the parameters: slices
 
     def __init__(self, module, plan, tp_size=None, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         rank, world_size = init_distributed()
@@ -125,7 +125,7 @@ class TensorParallel(Wrapper):
             bucket.handle = comm.all_reduce(bucket.grads, async_op=True, group=self.replica_group)  # STRATEGY: the replicas' sum
 
     @torch.no_grad()
-    def reduce_grads(self):
+    def after_backward(self):
         for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
             self.all_reduce(bucket)
         # grads averaged before (no zero_grad) were the same on every replica: / R, summed, they stay

@@ -2,11 +2,11 @@
 flat grad buffer; the reduce-scatter comes after backward (wrapper.py).
 
 Compare with ../ddp/layers.py: the all_reduce during backward is gone."""
-from ..strategy import layer_classes
+from ..step import layer_classes
 
 
 class Zero1Layer:
-    def accumulate_grad(self, param, grad):
+    def grad_ready(self, param, grad):
         zero1 = self.wrapper
         zero1.buckets.add(param, grad, send=False)  # STRATEGY: full grads in flat_grads, no send yet
 

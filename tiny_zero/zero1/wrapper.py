@@ -19,7 +19,7 @@ import torch
 
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
-from ..strategy import Wrapper
+from ..step import Wrapper
 from .layers import LAYER_CLASSES
 
 
@@ -43,8 +43,8 @@ class Zero1(Wrapper):
 
     def backward_started(self):
         if not self.in_backward and self.holds_average:  # averages of an earlier backward, no zero_grad since
-            for mine in self.grads.values():  # the sum over ranks then has N x them, and / N keeps them:
-                mine.mul_(self.world_size)    # (N·avg + Σ grads) / N = avg + the new average, as in ddp
+            for chunk in self.grads.values():  # the sum over ranks then has N x them, and / N keeps them:
+                chunk.mul_(self.world_size)    # (N·avg + Σ grads) / N = avg + the new average, as in ddp
             self.holds_average, self.scaled = False, True
         super().backward_started()
 
@@ -56,12 +56,12 @@ class Zero1(Wrapper):
         return super().stepping(written)
 
     @torch.no_grad()
-    def reduce_grads(self):
+    def after_backward(self):
         sent = []
         for bucket in self.buckets.unsent():  # every bucket with grads, after backward
-            mine = bucket.chunk(self.flat_grads, self.rank, self.world_size)
-            sent.append((bucket, mine, comm.reduce_scatter(mine, bucket.grads, async_op=True)))  # STRATEGY: my chunk's sum
-        for bucket, mine, handle in sent:
+            chunk = bucket.chunk(self.flat_grads, self.rank, self.world_size)
+            sent.append((bucket, chunk, comm.reduce_scatter(chunk, bucket.grads, async_op=True)))  # STRATEGY: my chunk's sum
+        for bucket, chunk, handle in sent:
             handle.wait()  # the sum of grads divided by N: the average
             self.zero_others(bucket)  # they were sent: the next backward starts from zero there
         if self.scaled:  # buckets this backward gave no grad: their averages, back from N x

@@ -4,11 +4,11 @@ backward, and its full grads are freed when that finishes (wrapper.py).
 
 Compare with ../zero1/layers.py: the send moves into backward, and full grads
 no longer outlive their bucket."""
-from ..strategy import layer_classes
+from ..step import layer_classes
 
 
 class Zero2Layer:
-    def accumulate_grad(self, param, grad):
+    def grad_ready(self, param, grad):
         zero2 = self.wrapper
         for bucket in zero2.buckets.add(param, grad, send=zero2.require_grad_sync):
             zero2.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on

@@ -2,7 +2,7 @@
 
 A rank holds: every trainable parameter, in one flat buffer (flat_params),
 cut into buckets, each padded to a multiple of N and cut into N chunks; the
-averaged grads (grad_shard) and the optimizer state of its own chunk of every
+averaged grads (grad_chunks) and the optimizer state of its own chunk of every
 bucket, 1/N of the whole; and during backward the full local grads of the
 buckets not yet sent and finished: typically the one being filled and the one
 in flight, plus any bucket still waiting for a parameter's last grad (a tied
@@ -17,7 +17,7 @@ import torch
 
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
-from ..strategy import Wrapper
+from ..step import Wrapper
 from .layers import LAYER_CLASSES
 
 
@@ -34,36 +34,30 @@ class Zero2(Wrapper):
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
         self.shards = self.fp32_shards(chunks)
-        self.grad_shard = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)
-        self.grads = {shard: self.grad_shard[b.start // n:(b.start + b.numel) // n]
+        self.grad_chunks = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)
+        self.grads = {shard: self.grad_chunks[b.start // n:(b.start + b.numel) // n]
                       for shard, b in zip(self.shards, buckets)}
         self.sending = []  # (bucket, reduce-scatter, its averaged grads, the sum) in flight
 
     @torch.no_grad()
     def reduce_scatter(self, bucket):
-        """Send a bucket whose grads are final; then finish the one sent before
-        it (it had this bucket's backward to complete)."""
+        """Send a bucket whose grads are final."""
         dest = self.grads[self.shards[bucket.index]]
         out = self.reduce_target(dest)
         handle = comm.reduce_scatter(out, bucket.grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
-        self.sending.append((bucket, handle, dest, out))
-        if len(self.sending) > 1:
-            self.finish(*self.sending.pop(0))
+        self.sent(bucket, handle, dest, out)
+
+    send = reduce_scatter
 
     def finish(self, bucket, handle, dest, out):
         handle.wait()
         self.average_into(dest, out)
         bucket.grads = None  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
 
-    @torch.no_grad()
-    def reduce_grads(self):
-        for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
-            self.reduce_scatter(bucket)
-        while self.sending:
-            self.finish(*self.sending.pop(0))
+    after_backward = Wrapper.send_the_rest
 
     def clear_grads(self, set_to_none):
-        self.grad_shard.zero_()  # the buckets' full grads: Buckets.clear drops them
+        self.grad_chunks.zero_()  # the buckets' full grads: Buckets.clear drops them
 
     def grad_attr(self, param):
         return self.sharded_grad(param)

@@ -3,30 +3,21 @@ its unit is broadcast from the owners before (the next unit is already on
 the way) and freed after, but what this rank owns: at the unit's first layer
 and after its last. A grad goes into its owner's bucket; a bucket whose grads
 are final is reduced to its owner at once, asynchronously (wrapper.py)."""
-from ..module import expects_backward
-from ..strategy import layer_classes
+from ..step import layer_classes
 
 
 class Zero3Layer:
-    def forward_callback(self, ctx, x):
+    def before_layer(self, training, backward):
         zero3 = self.wrapper
         if zero3.gathers:
-            zero3.unshard(self, training=expects_backward(ctx))  # STRATEGY: gather: broadcast from the owners
-        y = super().forward_callback(ctx, x)
-        if zero3.gathers:
-            zero3.reshard(self)  # STRATEGY: free: nothing full is kept for backward
-        return y
+            zero3.unshard(self, training, backward)  # STRATEGY: gather: broadcast from the owners
 
-    def backward_callback(self, ctx, grad_out):
+    def after_layer(self):
         zero3 = self.wrapper
         if zero3.gathers:
-            zero3.unshard(self, backward=True)  # STRATEGY: gathered again
-        grad_in = super().backward_callback(ctx, grad_out)
-        if zero3.gathers:
-            zero3.reshard(self)  # STRATEGY: and freed again
-        return grad_in
+            zero3.reshard(self)  # STRATEGY: free: nothing full is kept for backward, or for the next layer
 
-    def accumulate_grad(self, param, grad):
+    def grad_ready(self, param, grad):
         zero3 = self.wrapper
         for bucket in zero3.buckets.add(param, grad, send=zero3.require_grad_sync):
             zero3.reduce(bucket)  # STRATEGY: to its owner, now, async; backward goes on

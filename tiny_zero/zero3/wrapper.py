@@ -18,14 +18,14 @@ import torch
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs
 from ..module import CallbackLayer
-from ..strategy import Wrapper
-from ..units import GatherOrder, gather_units
+from ..step import Wrapper
+from ..units import Gathering, gather_units
 from .layers import LAYER_CLASSES
 
 
-class Zero3(Wrapper):
+class Zero3(Gathering, Wrapper):
     layer_classes = LAYER_CLASSES
-    module_values_whole = False  # the parameters: released between uses
+    params_whole_between_steps = False  # the parameters: released between uses
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, units=None, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
@@ -35,8 +35,8 @@ class Zero3(Wrapper):
         self.unit_params = unit_params(gather_units(self.module, layers, units))
         unit_of = {p: unit for unit, params in self.unit_params.items() for p in params}
         buckets = owner_buckets(self.trainable[::-1], self.owner, unit_of, bucket_bytes)  # grad-ready order
-        self.mine = [b for b in buckets if self.owner[b.params[0]] == self.rank]
-        self.owned = self.keep_owned(self.mine)
+        self.owned_buckets = [b for b in buckets if self.owner[b.params[0]] == self.rank]
+        self.owned = self.keep_owned(self.owned_buckets)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         self.shards = self.fp32_shards([self.owned]) if self.owned.numel() else []
@@ -46,16 +46,16 @@ class Zero3(Wrapper):
         self.full, self.sends, self.views = {}, {}, {}  # per unit: see make_buffer
         for unit in self.unit_params if self.gathers else ():
             self.make_buffer(unit)
-        self.order = GatherOrder(self.units_of) if self.gathers else None
-        self.gathered, self.sending = {}, []  # unit -> (buffer, broadcasts) while its layers use it; (bucket, reduce)
+        self.start_gathering(self.units_of)
+        self.sending = []  # (bucket, its reduce) in flight
 
-    def keep_owned(self, mine):
+    def keep_owned(self, owned_buckets):
         """Owners keep (or materialise from meta) their tensors, the trainable
         ones in one flat buffer in bucket order; everyone else keeps nothing.
         The values are rank 0's (or the model's init, the same everywhere)."""
-        owned = torch.zeros(sum(b.numel for b in mine), dtype=self.param_dtype, device=self.device)
+        owned = torch.zeros(sum(b.numel for b in owned_buckets), dtype=self.param_dtype, device=self.device)
         self.owned_start, start = {}, 0
-        for b in mine:
+        for b in owned_buckets:
             self.owned_start[b], start = start, start + b.numel
         for name, p in self.named_params:
             if p.is_meta and self.owner[p] != self.rank:
@@ -67,7 +67,7 @@ class Zero3(Wrapper):
             if self.owner[p] != self.rank:
                 self.set_data(p, self.released(p))
             elif p.requires_grad:
-                bucket = next(b for b in mine if p in b.offsets)
+                bucket = next(b for b in owned_buckets if p in b.offsets)
                 view = bucket.own_view(owned[self.owned_start[bucket]:], p)
                 view.copy_(value)
                 self.set_data(p, view)
@@ -95,81 +95,35 @@ class Zero3(Wrapper):
         full.untyped_storage().resize_(0)
         self.full[unit], self.sends[unit], self.views[unit] = full, sends, views
 
-    # ------------------------------------------------------------ gather, free
+    # ------------------------------------------------------------ gather (when: units.Gathering)
 
-    def unshard(self, layer, training=False, backward=False):
-        """Before a layer computes: its units from their owners, the next one's started."""
-        missing = [u for u in self.units_of[layer] if u not in self.gathered]
-        self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
-        if not missing:
-            return
-        for unit in missing:
-            self.gathered[unit] = self.in_flight.pop(unit, None) or self.broadcast(unit)  # STRATEGY: gather
-        ahead = self.order.next_unit(self.gathered)
-        if ahead is not None and ahead not in self.in_flight:
-            self.in_flight[ahead] = self.broadcast(ahead)  # STRATEGY: prefetch the next unit while this one computes
-        for unit in missing:
-            for handle in self.gathered[unit][1]:
-                handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
-            for p, full, _ in self.views[unit]:
-                p.data = full  # the view made once: the parameter shows the owner's values
-
-    def broadcast(self, unit):
+    def gather(self, unit):
         """Start a unit's broadcasts, into its buffer grown back to full size."""
         full = self.full[unit]
         full.untyped_storage().resize_(full.numel() * full.element_size())  # STRATEGY: memory for others' tensors
         return full, [comm.broadcast(flat, src=owner, async_op=True)  # STRATEGY: owner -> all, each bucket at once
                       for flat, owner in self.sends[unit]]
 
-    def reshard(self, layer):
-        """After a layer computed: free the units the next layer does not use."""
-        keep = self.order.still_needed()
-        for unit in [u for u in self.gathered if u not in keep]:
-            self.free(unit)  # STRATEGY: free behind: the next layer does not use it
-
-    def free(self, unit):
-        """Others' tensors: released, and their memory gone (broadcasts waited for)."""
-        del self.gathered[unit]
-        for p, _, released in self.views[unit]:
-            p.data = released  # reading a freed buffer would read memory that is gone
-        self.full[unit].untyped_storage().resize_(0)  # STRATEGY: free what this rank does not own
-
-    def settle(self):
-        """Nothing gathered or in flight outlives a pass (stale after a step)."""
-        self.gathered.update(self.in_flight)  # gathered ahead, unused: waited for (it may write), then freed
-        self.in_flight.clear()
-        for unit in list(self.gathered):
-            for handle in self.gathered[unit][1]:
-                handle.wait()
-            self.free(unit)
-
     # ------------------------------------------------------------ grads
 
     @torch.no_grad()
     def reduce(self, bucket):
-        """Send a bucket whose grads are final to its owner; then finish the one sent before it."""
+        """Send a bucket whose grads are final to its owner."""
         owner = self.owner[bucket.params[0]]
         handle = comm.reduce(bucket.grads, dst=owner, async_op=True) if self.gathers else None  # STRATEGY: sum
-        self.sending.append((bucket, handle))  # at the owner (world 1: the bucket is the sum, here)
-        if len(self.sending) > 1:
-            self.finish(*self.sending.pop(0))
+        self.sent(bucket, handle)  # at the owner (world 1: the bucket is the sum, here)
 
-    send = reduce  # a layer skipped in backward (Wrapper.skip_to)
+    send = reduce
 
     def finish(self, bucket, handle):
         if handle is not None:
             handle.wait()
         if bucket in self.owned_start:  # STRATEGY: the owner keeps the average; the others drop the bucket
             start = self.owned_start[bucket]
-            self.average_into(self.shard_grads()[start:start + bucket.numel], bucket.grads)
+            self.average_into(self.averaged_grads(self.shards[0])[start:start + bucket.numel], bucket.grads)
         bucket.grads = None  # STRATEGY: free the bucket's full grads
 
-    @torch.no_grad()
-    def reduce_grads(self):
-        for bucket in self.buckets.unsent():  # what backward did not send: parameters used no more
-            self.reduce(bucket)
-        while self.sending:
-            self.finish(*self.sending.pop(0))
+    after_backward = Wrapper.send_the_rest
 
     def clear_grads(self, set_to_none):
         self.drop_grads(set_to_none)
@@ -178,7 +132,7 @@ class Zero3(Wrapper):
         return self.sharded_grad(param)
 
     def pieces(self):
-        owned = [piece for b in self.mine for piece in self.bucket_pieces(b, 0, b.numel, self.shards[0],
+        owned = [piece for b in self.owned_buckets for piece in self.bucket_pieces(b, 0, b.numel, self.shards[0],
                                                                           self.owned_start[b])]
         frozen = [p for p in self.frozen if self.owner[p] == self.rank]
         return owned + self.whole_pieces(frozen, replicated=False)
@@ -188,8 +142,8 @@ class Zero3(Wrapper):
         values = {piece.name: piece.tensor[piece.offset:piece.offset + piece.hi] for piece in self.pieces()}
         full = {}
         for name, p in self.named_params:
-            mine = self.owner[p] == self.rank
-            value = values[name].float().view(self.shapes[name]) if mine else torch.empty(self.shapes[name])
+            owns = self.owner[p] == self.rank
+            value = values[name].float().view(self.shapes[name]) if owns else torch.empty(self.shapes[name])
             value = value.to(self.device)
             comm.broadcast(value, src=self.owner[p])  # the fp32 master, from its owner
             full[p] = value.cpu().clone()

@@ -1,0 +1,282 @@
+"""The step every strategy runs, and the moments of it that a strategy fills in.
+
+A strategy is a folder of three files:
+
+    layers.py   <Name>Layer, the layer's moments: before_layer, after_layer
+                (gather before the math, free after), grad_ready (where each grad goes)
+    wrapper.py  <Name>, the wrapper: what a rank holds; its moments
+                after_backward and sync_params; the collectives they send
+    optim.py    <Name>AdamW: optimizer.py's StrategyAdamW, pointed at that wrapper
+
+One training step, its moments (in the folder) and every collective it sends:
+
+    model(x)          each layer: StrategyLayer.forward_callback; before_layer
+                      (zero3, fsdp: gather the unit), the layer's math
+                      (tiny_zero/module), after_layer (zero3, fsdp: free)
+    loss.backward()   the first layer's backward: backward_started, the
+                      ranks' agreement on this backward (comm.agree, sent
+                      alongside); each layer: before_layer, its math,
+                      grad_ready for each parameter (the grad into its bucket;
+                      ddp, zero2, zero3, fsdp, offload: send a bucket whose grads
+                      are final), after_layer
+    (backward ends)   backward_done: after_backward (send the rest, wait,
+                      average into model.grads), then p.grad is set
+    clip_grad_norm_   the all-reduce of the grads' squared norm, where a rank
+                      holds only part of them (precision.py)
+    opt.step()        optimizer.py: stepping, the ranks' agreement on the
+                      parameters that step; fp16: the all-reduce of the
+                      overflow flag; AdamW on model.shards with model.grads,
+                      per parameter group; sync_params (zero1, zero2,
+                      offload: all-gather the updated chunks)
+    opt.zero_grad()   clear_grads()
+
+What keeps torch's conventions (p.grad, zero_grad, in-place writes, state
+dicts, hooks) is in files a first reader may skip: grads.py,
+state_dicts.py, guards.py, module/hooks.py.
+
+Gradients, one vocabulary:
+
+    grad          a gradient this rank's backward computed (local, its batch only)
+    bucket.grads  the local grads of one bucket's parameters, flat, to be sent
+    model.grads   {shard: its averaged grad}: what the optimizer steps with. They
+                  add up over backward passes until zero_grad(), as p.grad in torch
+
+The wrapper follows torch's training loop: a frozen parameter (requires_grad
+False when wrapped) is never sent or stepped; a parameter whose p.grad is None
+is not stepped and keeps its step count; each backward outside no_sync()
+averages, and the averages add up; param groups and lr schedulers work as in
+torch.optim. Ranks that are about to run different collectives find out
+first (comm.agree) and raise the same error.
+"""
+from contextlib import contextmanager
+from itertools import compress
+
+import torch
+import torch.nn as nn
+
+from . import comm
+from .grads import TorchGrads
+from .guards import ForwardedAttributes, parameter_hash, sequence_hash
+from .holding import Holding
+from .module import expects_backward, in_backward_pass, recorded
+from .module import layer_classes as module_layer_classes
+from .precision import ClipAndScale
+from .state_dicts import WrapperStateDicts
+from .wrapping import ConversionGuard, Wrapping, check_backward_once
+
+
+class StrategyLayer(ConversionGuard):
+    """First in every strategy layer's classes (see layer_classes): what every
+    strategy does around a layer, before its mixin. A forward that a backward
+    will follow tells the wrapper which parameters will get grads; the first
+    backward callback of a backward pass tells it a backward began;
+    comm.where names the layer, for the error of a collective that hangs."""
+
+    def forward_callback(self, ctx, x):
+        comm.where = self.where_forward
+        training = expects_backward(ctx)
+        if training:
+            self.wrapper.expect_grads(self, recorded(ctx))
+        self.before_layer(training=training, backward=False)  # moment: before a layer computes
+        y = super().forward_callback(ctx, x)  # the layer's math (tiny_zero/module/layers.py)
+        self.after_layer()  # moment: after it computed
+        return y
+
+    def backward_callback(self, ctx, grad_out):
+        comm.where = self.where_backward
+        check_backward_once(ctx, self.path)  # before any collective of this pass: every rank raises alike
+        wrapper = self.wrapper
+        if not wrapper.in_backward:  # the pass's first layer backward
+            wrapper.backward_started()
+        wrapper.skip_to(self)
+        self.before_layer(training=False, backward=True)  # moment: before a layer computes, in backward
+        grad_in = super().backward_callback(ctx, grad_out)  # the math; each parameter's grad: grad_ready(param, grad)
+        self.after_layer()  # moment: after it computed
+        return grad_in
+
+class LayerMoments:
+    """A layer's moments in a step, which a strategy's mixin (its layers.py)
+    fills in; here, what a moment does where the mixin leaves it out.
+
+        before_layer   forward, and again backward: before the layer's math
+        after_layer    after it
+        grad_ready     a parameter's grad of this layer is computed (the
+                       mixin always fills it in: where the grad goes)"""
+
+    def before_layer(self, training, backward):
+        """training: a backward may follow this forward (False in backward)."""
+
+    def after_layer(self):
+        pass
+
+
+def layer_classes(mixin):
+    """A strategy's layers: for each tiny_zero layer, StrategyLayer, then the
+    strategy's mixin, its moments' defaults, then the layer's math:
+    Zero3Linear(StrategyLayer, Zero3Layer, LayerMoments, Linear)."""
+    return module_layer_classes(StrategyLayer, mixin, LayerMoments, name_from=mixin)
+
+
+class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, ForwardedAttributes, nn.Module):
+    """What every strategy's wrapper shares. A strategy sets layer_classes and
+    fills in the hooks below; checks, the backward's bookkeeping, no_sync and
+    the step's agreement are here; p.grad's conventions in grads.py, helpers
+    for what a rank holds in holding.py, clipping and fp16 in precision.py,
+    state dicts and pieces in state_dicts.py, model.<name> in guards.py."""
+
+    layer_classes = None  # {torch layer class: this strategy's layer class}, from layer_classes(<Name>Layer)
+    grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
+    params_whole_between_steps = True  # the module's parameters hold their whole values between steps (False: released, sliced)
+    send = None  # the collective of a bucket whose grads are final (zero2, zero3, fsdp, offload)
+    # True: nothing is sent from a step to the next backward (ddp): the step's
+    # agreement goes out with that backward's, one round trip for both
+    defer_step_agreement = False
+
+    # ------------------------------------------------------------ hooks
+
+    def after_backward(self):
+        """Moment: the end of a backward pass outside no_sync(). Send what
+        backward did not, wait for every collective in flight, and add the
+        averages into model.grads."""
+        raise NotImplementedError
+
+    def sync_params(self):
+        """Moment: after the optimizer step (and after a load): make the
+        parameters the layers compute with match the shards it stepped."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ helpers for strategies
+
+    def sent(self, *in_flight):
+        """A bucket was just sent (send: in_flight, what finish takes): finish
+        the one sent before it, whose wait had this bucket's backward to complete."""
+        self.sending.append(in_flight)
+        if len(self.sending) > 1:
+            self.finish(*self.sending.pop(0))
+
+    @torch.no_grad()
+    def send_the_rest(self):
+        """after_backward, where backward sends each bucket as its grads are
+        final: send what it did not (parameters used no more), finish all."""
+        for bucket in self.buckets.unsent():
+            self.send(bucket)
+        while self.sending:
+            self.finish(*self.sending.pop(0))
+
+    def free_gathered(self):
+        """Leave nothing gathered or in flight that a later use could mistake
+        for current values: called at the end of every backward pass and
+        before every step. Nothing to do unless a strategy gathers ahead
+        (zero3 and fsdp: units.Gathering)."""
+
+    def skip_to(self, layer):
+        """zero3, fsdp (units.Gathering): catch up with layers whose backward did not run on this rank."""
+
+    # ------------------------------------------------------------ one step's bookkeeping
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss):
+        """loss.backward(); kept for the API (under fp16 the scaling is in forward)."""
+        loss.backward()
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate grads locally; the first backward
+        outside sends the sum."""
+        self.require_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_grad_sync = True
+
+    def expect_grads(self, layer, recorded):
+        """A layer's forward that a backward may follow. The ranks agree on the
+        layers of recorded forwards only: one under no_grad may be an
+        evaluation on one rank (a reentrant checkpoint's, which backward
+        recomputes, is one too), whose uses only hold its buckets back."""
+        if self.in_backward and not in_backward_pass():
+            self.in_backward = False  # a backward that raised never reached backward_done
+        self.buckets.forward_uses(layer.slots, recorded)
+        if recorded:
+            self.used.append(layer.index)
+
+    def backward_started(self):
+        """The first layer backward of a backward pass: every rank agrees it
+        runs the same backward (the same step, forward layers and no_sync),
+        before any collective of it; the end of the pass is queued."""
+        if self.in_backward:
+            return
+        self.check_scale_entered()  # fp16; before any collective: every rank raises alike
+        self.before_backward()
+        comm.agree("this backward pass", wait=False,  # checked before its first collective
+                   step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
+                   layers_used_in_forward=sequence_hash(self.used))
+        self.in_backward = True
+        self.averaging = self.require_grad_sync
+        self.used.clear()
+        self.backwards += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)  # at the pass's end
+
+    def before_backward(self):
+        """What was done to the grads since the last backward, taken in as
+        torch has it before this one adds to them: a p.grad set to None
+        clears that grad, one assigned is remembered, a clip is applied."""
+        self.forget_cleared_grads()
+        self.remember_assigned_grads()
+        self.apply_clip()  # grads kept from before a clip (no zero_grad) add up clipped, as torch's
+
+    def backward_done(self):
+        comm.where = "the end of the backward pass"
+        self.in_backward = False
+        self.scale_entered = False
+        self.buckets.add_held()  # through their hooks
+        self.free_gathered()
+        self.refuse_grads_from_autograd()  # before the collectives: every rank raises alike
+        if self.averaging:
+            self.after_backward()  # moment: the strategy waits, and averages into model.grads
+            got = self.buckets.got_grad
+            for i in compress(range(len(self.shown)), got.marks):
+                p = self.buckets.params[i]
+                if p.grad is None:
+                    p.grad = self.shown_at(i)
+            self.showing.update(got)
+        self.buckets.end_backward()
+
+    def stepping(self, written):
+        """The parameters the optimizer steps now: those whose p.grad is set,
+        as torch.optim (zero_grad(set_to_none=True), or no grad in any backward
+        since, leaves it None). Every rank agrees on them, and on how many
+        parameters were `written` in place (param_writes) since the last step."""
+        self.forget_cleared_grads()
+        self.check_requires_grad()
+        buckets, got = self.buckets, self.buckets.got_grad.marks
+        stepping = []
+        for i in self.trainable_slots:
+            p = buckets.params[i]
+            grad = p.grad
+            if grad is None:
+                continue
+            if not got[i]:
+                self.refuse_foreign_grad(p)
+            if grad is not self.shown_at(i):
+                self.take_assigned_grad(self.name_of[p], p)
+            stepping.append(p)
+        for p in self.frozen:
+            if p.grad is not None:
+                self.refuse_foreign_grad(p)
+        missing = buckets.missing()  # got a grad on another rank, or none
+        if missing and self.defer_step_agreement:  # the check below waits for the next backward: tell by the values
+            stepping += self.got_elsewhere(missing, stepping, everyone_missed=None)
+            missing = []
+        spread = comm.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
+                            defer=self.defer_step_agreement,
+                            parameters=parameter_hash(buckets, stepping + missing),
+                            parameters_written_in_place=len(written), grads_missing=comm.Spread(len(missing)),
+                            grads_missing_named=comm.Spread(parameter_hash(buckets, missing)))
+        if missing:
+            (fewest, _), (low, high) = spread["grads_missing"], spread["grads_missing_named"]
+            stepping += self.got_elsewhere(missing, stepping, everyone_missed=fewest > 0, all_alike=low == high)
+        self.buckets.expected.clear()  # the next step expects the grads of forwards after this one
+        return stepping

@@ -1,0 +1,146 @@
+"""What happens once, when a model is wrapped (a first reader may skip it):
+the checks, the layers swapped for the strategy's, every parameter's name,
+shape and index, and the refusal of a conversion after wrapping. Mixed into
+step.py's Wrapper, before the strategy's own __init__ lays out what a rank
+holds."""
+from operator import attrgetter
+
+import torch
+
+from . import comm
+from .buckets import ParamSet
+from .distributed import init_distributed, local_device
+from .guards import check_not_wrapped, check_same_model_on_all_ranks
+from .module import CallbackLayer, check_supported, swap_layers
+from .precision import LossScaler, cast_floating_inputs, param_dtype
+from .state_dicts import param_versions
+
+REQUIRES_GRAD = attrgetter("requires_grad")  # read by map(), over many parameters in C
+
+
+class Wrapping:
+    """The wrapper's state, set up when wrapping."""
+
+    def __init__(self, module, mixed_precision=None, reduce_dtype=None, loss_scaler=None, device=None):
+        super().__init__()
+        check_supported(module)  # local, before any collective: every rank raises alike
+        check_not_wrapped(module)
+        self.param_dtype = param_dtype(mixed_precision)
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        if loss_scaler is not None and mixed_precision != "fp16":
+            raise ValueError("loss_scaler is for mixed_precision='fp16' only")
+        self.loss_scaler = loss_scaler or (LossScaler() if mixed_precision == "fp16" else None)
+        self.rank, self.world_size = init_distributed()
+        # data parallelism: this rank's index among the ranks that hold the same
+        # parameters (all of them here; a pipeline stage's or a tensor slice's replicas)
+        self.replica, self.replicas = self.rank, self.world_size
+        self.replica_group = None  # the process group of those ranks (None: the world)
+        self.device = torch.device(device) if device is not None else local_device()
+        check_same_model_on_all_ranks(module)
+        comm.open_side_channel()
+        comm.agree("the wrapper's settings", wait=False,  # checked before its first collective
+                   strategy=comm.value_hash(type(self).__name__), param_dtype=comm.value_hash(self.param_dtype),
+                   reduce_dtype=comm.value_hash(self.reduce_dtype), loss_scaler=int(self.loss_scaler is not None))
+        swap_layers(module, self.layer_classes)
+        module.to(self.param_dtype)
+        if self.param_dtype != torch.float32:
+            module.register_forward_pre_hook(cast_floating_inputs(self.param_dtype), with_kwargs=True)
+        layers = [(path, m) for path, m in module.named_modules() if isinstance(m, CallbackLayer)]
+        for index, (path, layer) in enumerate(layers):
+            layer.__dict__["wrapper"] = self  # a plain attribute, not a submodule
+            layer.path, layer.index = path, index
+            layer.where_forward, layer.where_backward = f"{path} forward", f"{path} backward"  # comm.where's
+            layer.trained = [p for p in layer.parameters(recurse=False) if p.requires_grad]  # read once, as below
+            layer.slots = []  # their indices in self.buckets, set with it
+        self.callback_layers = [layer for _, layer in layers]
+        self.module = module
+        self.scale_entered = False  # fp16: the loss scale entered the backward running now (ScaleGrad)
+        if self.loss_scaler is not None:
+            module.register_forward_hook(self.scale_output)
+        self.guard_module_state_dicts()  # model.module.state_dict() and load_state_dict() (state_dicts.py)
+        self.named_params = list(module.named_parameters())  # tied parameters appear once
+        self.name_of = {p: name for name, p in self.named_params}  # looked up when wrapping and in errors, not per step
+        self.position = {p: i for i, (_, p) in enumerate(self.named_params)}  # the same
+        self.shapes = {name: p.shape for name, p in self.named_params}  # full shapes, before any sharding
+        self.trainable = [p for _, p in self.named_params if p.requires_grad]  # read once, here
+        self.frozen = [p for _, p in self.named_params if not p.requires_grad]
+        self.shards, self.working, self.grads = [], {}, {}  # the strategy fills these in
+        self.host = []  # what a rank keeps in host memory, off its device (offload: what the step reads and writes)
+        self.buckets = None
+        self.require_grad_sync = True
+        self.clip_coef = None  # a clip's coefficient, pending (a 0-d tensor on the grads' device)
+        self.steps = 0  # optimizer steps taken
+        self.backwards = 0  # backward passes since the last step
+        self.in_backward = False
+        self.used = []  # the layers used in forward since the last backward (their indices)
+        self.averaged = set()  # data_ptr()s of the parts of model.grads that hold an average this step
+        self.released_zero = None  # the shared zero of released(), made at its first use
+        self.released_views = {}  # parameter -> its released() view of that zero, made once
+        # by a trainable parameter's index in self.buckets (set with it, below):
+        self.shown = []  # index -> what its p.grad shows (grad_attr), made once (None: not yet)
+        self.showing = None  # ParamSet: the parameters whose p.grad backward_done set, until zero_grad
+        self.assigned = {}  # index -> (its p.grad, version) set by the user, as a backward began
+        self.versions = param_versions(self.named_params)  # in-place writes move them (adopt_param_writes)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "buckets" and value is not None:
+            self.index_params(value)
+
+    def index_params(self, buckets):
+        """When the strategy sets self.buckets (once, having cut them): every
+        trainable parameter's index is its place in them (Buckets.index), what
+        each layer keeps of its own (layer.slots), and where the step's
+        per-parameter state lives. From here on a step looks no parameter up
+        by its hash."""
+        for layer in self.callback_layers:
+            layer.slots = buckets.indices(layer.trained)
+        self.shown = [None] * len(buckets.params)
+        self.showing = ParamSet(buckets)
+        self.trainable_slots = buckets.indices(self.trainable)  # in self.trainable's order
+        # what p.requires_grad must read at each step: True for the parameters the buckets hold
+        self.checked = self.trainable + self.frozen
+        self.requires = [id(p) in buckets.index for p in self.checked]
+
+    def check_requires_grad(self):
+        """At each step: requires_grad reads what it read when wrapping (what this rank holds; a stage: its own)."""
+        if list(map(REQUIRES_GRAD, self.checked)) != self.requires:
+            p = next(p for p, wanted in zip(self.checked, self.requires) if p.requires_grad != wanted)
+            raise RuntimeError(f"{self.name_of[p]}.requires_grad changed after the model was wrapped: tiny_zero "
+                               "reads it once, when wrapping, to decide what is sent and stepped; set it before "
+                               "wrapping")
+
+
+class ConversionGuard:
+    """Mixed into every strategy layer (step.StrategyLayer)."""
+
+    def _apply(self, fn, recurse=True):
+        """What model.to(dtype or device), .half(), .double() and .cuda() run on
+        each module: refused on a wrapped layer where it would change a
+        parameter's dtype or device (fn is tried on an empty tensor like it).
+        The wrapper's own conversion, at wrap time, comes before it is wrapped."""
+        if "wrapper" in self.__dict__:
+            for name, p in ((n, p) for n, p in self._parameters.items() if p is not None):
+                converted = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+                if (converted.dtype, converted.device) != (p.dtype, p.device):
+                    raise RuntimeError(f"{self.path}.{name}: converting the model after wrapping ({p.dtype} on "
+                                       f"{p.device} to {converted.dtype} on {converted.device}) would leave the "
+                                       "strategy stepping its own buffers while the module computes with the "
+                                       "converted copies, which never train; convert the module before wrapping it "
+                                       "(the wrapper's device= places it, mixed_precision= sets the dtype it "
+                                       "computes in)")
+        return super()._apply(fn, recurse)
+
+
+def check_backward_once(ctx, path):
+    """A layer's backward: one per forward, from loss.backward()."""
+    if not ctx.param_grads:
+        raise RuntimeError(f"{path}: torch.autograd.grad (or backward(inputs=...)) through a strategy's "
+                           "layers: each layer's backward hands its parameters' grads to the strategy, which "
+                           "cannot leave them out as torch does; call loss.backward() (an input that requires "
+                           "grad gets its x.grad) and keep the grads you need")
+    if getattr(ctx, "backward_ran", False):
+        raise RuntimeError(f"{path}: a second backward through the same forward (backward(retain_graph="
+                           "True), then backward again): a strategy sends each layer's grads once per forward, "
+                           "as torch DDP does; add the losses and call backward once, or run the forward again")
+    ctx.backward_ran = True
