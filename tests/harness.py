@@ -54,9 +54,9 @@ def _worker(rank, world_size, store_dir, module_name, fn_name, args):
 def _nothing_left_in_flight():
     """At exit: tiny_zero holds no collective any more (one freed in the
     interpreter's teardown can abort the process); fail the rank if it does."""
-    comm = sys.modules.get("tiny_zero.comm")
-    if comm is not None and comm._unsettled:
-        print(f"{len(comm._unsettled)} agreements of tiny_zero still held at exit", file=sys.stderr)
+    agreements = sys.modules.get("tiny_zero.agreements")
+    if agreements is not None and agreements._unsettled:
+        print(f"{len(agreements._unsettled)} agreements of tiny_zero still held at exit", file=sys.stderr)
         os._exit(70)
 
 

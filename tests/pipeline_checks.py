@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import tiny_zero
 from example.model import GPTConfig, GPTSequential, loss_fn
-from tiny_zero import checkpoint, comm
+from tiny_zero import agreements, checkpoint, comm
 from tiny_zero.measure.memory import TensorMemory
 from tiny_zero.pipeline import Pipeline, PipelineAdamW
 from tiny_zero.precision import LossScaler
@@ -388,7 +388,7 @@ def attempt(action):
     called a collective first (the agreements on the side channel aside)."""
     called = []
     saved = {name: getattr(dist, name) for name in COLLECTIVES}
-    side = set(comm._side_groups.values())
+    side = set(agreements._side_groups.values())
 
     def record(name, *args, **kwargs):
         if kwargs.get("group") not in side:

@@ -9,9 +9,13 @@ records what later ones repeat). A function counts whole, with its
 docstring, once, however often it runs: that is what a reader opens. The
 layers' math (tiny_zero/module) and the collectives (tiny_zero/comm.py)
 count; the wrapping and the checkpoints do not, as the step does not run
-them. docs/diff-guide.md quotes the table; tests/test_layout.py keeps it
-true.
+them. A file whose docstring says "a first reader may skip this file"
+(torch's conventions, the ranks' agreements) is counted apart: what the
+step runs there keeps torch's behaviour, not the strategy's.
+docs/diff-guide.md quotes the table; tests/test_layout.py keeps it true.
 """
+import ast
+import functools
 import inspect
 import sys
 from pathlib import Path
@@ -86,6 +90,7 @@ def every_strategy():
     return out if dist.get_rank() == 0 else None
 
 
+@functools.cache
 def measure():
     """{strategy: {file: lines}}, from rank 0 of a world of 2."""
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -93,16 +98,30 @@ def measure():
     return run_world(2, "reading", "every_strategy")[0]
 
 
+def skipped(path):
+    """A file a first reader may skip, as its docstring says."""
+    doc = ast.get_docstring(ast.parse((ROOT / path).read_text())) or ""
+    return "a first reader may skip this file" in " ".join(doc.split()).lower()
+
+
+def followed(files):
+    """{file: lines} of the files a reader follows: the others are skipped."""
+    return {f: n for f, n in files.items() if not skipped(f)}
+
+
 def table(figures):
-    rows = ["| strategy | files | lines | in its folder |", "|---|---:|---:|---:|"]
+    rows = ["| strategy | files to follow | their lines | in its folder | files to skip | their lines |",
+            "|---|---:|---:|---:|---:|---:|"]
     for name, files in figures.items():
+        follow = followed(files)
         own = sum(n for f, n in files.items() if f.startswith(f"tiny_zero/{name}/"))
-        rows.append(f"| {name} | {len(files)} | {sum(files.values())} | {own} |")
+        skip = len(files) - len(follow), sum(files.values()) - sum(follow.values())
+        rows.append(f"| {name} | {len(follow)} | {sum(follow.values())} | {own} | {skip[0]} | {skip[1]} |")
     return "\n".join(rows)
 
 
 if __name__ == "__main__":
     figures = measure()
     for name, files in figures.items():
-        print(name, files)
+        print(name, followed(files), "skipped:", sorted(set(files) - set(followed(files))))
     print(table(figures))

@@ -69,8 +69,8 @@ def nothing_stays_gathered(name):
         unshard, reduce_scatter = model.unshard, model.reduce_scatter
         sent = []
 
-        def counted_unshard(layer, **kwargs):
-            unshard(layer, **kwargs)
+        def counted_unshard(layer, *args):
+            unshard(layer, *args)
             most["layers"] = max(most["layers"], 1 + len(model.in_flight))
 
         def grads_follow_the_units(unit):
@@ -79,7 +79,8 @@ def nothing_stays_gathered(name):
             held = sum(g.numel() for g in model.grads.values())
             if held != sum(model.slices[u].numel() for u in set(sent)):
                 problems.append(f"after {len(sent)} reduce-scatters model.grads holds {held} elements")
-        model.unshard, model.reduce_scatter = counted_unshard, grads_follow_the_units
+        model.unshard = counted_unshard
+        model.reduce_scatter = model.send = grads_follow_the_units  # in backward; at its end
         model.clear_grads = lambda set_to_none, clear=model.clear_grads: (clear(set_to_none), sent.clear())
     for step in range(3):
         loss = model(x, y)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint, comm
+from . import agreements, checkpoint
 from .config import load_json, read_config
 from .ddp import DDP, DDPAdamW
 from .distributed import init_distributed
@@ -57,8 +57,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                          "AdamW); pass optimizer=None and put its settings there")
     rank, world_size = init_distributed()
     raw = load_json(config)
-    comm.open_side_channel()  # a rank given another config would wait forever at the first collective: check first
-    comm.agree("the DeepSpeed config", config=comm.value_hash(json.dumps(raw, sort_keys=True, default=str)))
+    agreements.open_side_channel()  # a rank given another config would wait forever at the first collective: check first
+    agreements.agree("the DeepSpeed config", config=agreements.value_hash(json.dumps(raw, sort_keys=True, default=str)))
     settings = read_config(raw, world_size)
     if rank == 0:
         for key, why in settings.no_effect:

@@ -1,5 +1,5 @@
-"""torch's conventions for p.grad, which a first reader of a strategy may
-skip: what p.grad shows, zero_grad (of all parameters or some), a p.grad set
+"""torch's conventions for p.grad (a first reader may skip this file):
+what p.grad shows, zero_grad (of all parameters or some), a p.grad set
 to None or assigned by the user, grads that autograd made outside a layer,
 and a grad that came on another rank only. Mixed into Wrapper."""
 from itertools import repeat

@@ -1,4 +1,5 @@
-"""Misuse turned into clear errors, the same on every rank: a model wrapped
+"""Misuse turned into clear errors, the same on every rank (a first reader
+may skip this file): a model wrapped
 twice, models that differ across ranks, p.grad of a strategy that keeps
 averaged grads sharded used as if it were the whole grad, and model.<name>
 for an attribute of the wrapped module (ForwardedAttributes, mixed into

@@ -16,7 +16,7 @@ the step, and fp16's overflow check (its all-reduce).
 import torch
 from torch.utils._pytree import tree_map_only
 
-from . import comm
+from . import agreements, comm
 
 DTYPES = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -85,14 +85,6 @@ class LossScaler:
     def scale(self):
         return self.tensor.item()  # a host read: for whoever asks, never the step
 
-    def check_scale_entered(self):
-        """fp16, as a backward pass begins: it starts from the model's output, where the scale enters."""
-        if self.loss_scaler is not None and not self.scale_entered:
-            raise RuntimeError("fp16: this backward does not start from the model's output, where the loss scale "
-                               "enters (a loss from a submodule's output, model.module.transformer(x)?): its grads "
-                               "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
-                               "loss from model(...) (or model.module(...))")
-
     @torch.no_grad()
     def update(self, found_inf):
         """After a step: found_inf, a 0-d tensor (nonzero: some grad was not
@@ -129,6 +121,14 @@ class LossScaler:
 class ClipAndScale:
     """Wrapper's clipping and fp16 loss scaling."""
 
+    def check_scale_entered(self):
+        """fp16, as a backward pass begins: it starts from the model's output, where the scale enters."""
+        if self.loss_scaler is not None and not self.scale_entered:
+            raise RuntimeError("fp16: this backward does not start from the model's output, where the loss scale "
+                               "enters (a loss from a submodule's output, model.module.transformer(x)?): its grads "
+                               "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
+                               "loss from model(...) (or model.module(...))")
+
     def scale_output(self, module, args, out):
         """fp16, a forward hook of the module: grads are scaled from where they
         enter the model, so loss.backward() and model.backward(loss) are the
@@ -149,7 +149,7 @@ class ClipAndScale:
         comm.where = "clip_grad_norm_"
         # every rank clips, by the same max_norm (a rank alone would send the norm's all-reduce alone, or
         # under ddp, which sends none, step its replica apart); checked before the rank's next collective
-        comm.agree("clip_grad_norm_", wait=False, max_norm=comm.value_hash(float(max_norm)))
+        agreements.agree("clip_grad_norm_", wait=False, max_norm=agreements.value_hash(float(max_norm)))
         self.forget_cleared_grads()
         self.apply_clip()  # a second clip sees the grads of the first, as torch's
         total_norm = self.grad_square_sum().sqrt()

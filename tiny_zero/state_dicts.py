@@ -1,6 +1,7 @@
 """State dicts of a wrapped model and of its optimizer, and the one path
 for loading values into a wrapper (load_pieces): what torch users call on a
-model and an optimizer, kept apart from one training step's code.
+model and an optimizer, kept apart from one training step's code (a first
+reader may skip this file).
 
     model.state_dict()       full fp32 values on every rank, keys as torch DDP's ("module.x")
     model.load_state_dict()  restores every shard, the fp32 masters and the buffers
@@ -22,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import comm
+from . import agreements, comm
 from .precision import take_written_
 
 # Elements [lo, hi) of parameter `name` (flattened; full shape `shape`) are
@@ -170,7 +171,7 @@ class WrapperStateDicts:
         collective, which a rank that saw none would never join."""
         if written is None:
             written = self.param_writes()
-            comm.agree("the parameters written in place", group=self.replica_group, wait=False,
+            agreements.agree("the parameters written in place", group=self.replica_group, wait=False,
                        parameters_written_in_place=len(written))
         if not written:
             return

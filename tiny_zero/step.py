@@ -14,7 +14,7 @@ One training step, its moments (in the folder) and every collective it sends:
                       (zero3, fsdp: gather the unit), the layer's math
                       (tiny_zero/module), after_layer (zero3, fsdp: free)
     loss.backward()   the first layer's backward: backward_started, the
-                      ranks' agreement on this backward (comm.agree, sent
+                      ranks' agreement on this backward (agreements.agree, sent
                       alongside); each layer: before_layer, its math,
                       grad_ready for each parameter (the grad into its bucket;
                       ddp, zero2, zero3, fsdp, offload: send a bucket whose grads
@@ -46,7 +46,7 @@ False when wrapped) is never sent or stepped; a parameter whose p.grad is None
 is not stepped and keeps its step count; each backward outside no_sync()
 averages, and the averages add up; param groups and lr schedulers work as in
 torch.optim. Ranks that are about to run different collectives find out
-first (comm.agree) and raise the same error.
+first (agreements.agree) and raise the same error.
 """
 from contextlib import contextmanager
 from itertools import compress
@@ -54,7 +54,7 @@ from itertools import compress
 import torch
 import torch.nn as nn
 
-from . import comm
+from . import agreements, comm
 from .grads import TorchGrads
 from .guards import ForwardedAttributes, parameter_hash, sequence_hash
 from .holding import Holding
@@ -210,7 +210,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, Fo
             return
         self.check_scale_entered()  # fp16; before any collective: every rank raises alike
         self.before_backward()
-        comm.agree("this backward pass", wait=False,  # checked before its first collective
+        agreements.agree("this backward pass", wait=False,  # checked before its first collective
                    step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
                    layers_used_in_forward=sequence_hash(self.used))
         self.in_backward = True
@@ -270,11 +270,11 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, Fo
         if missing and self.defer_step_agreement:  # the check below waits for the next backward: tell by the values
             stepping += self.got_elsewhere(missing, stepping, everyone_missed=None)
             missing = []
-        spread = comm.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
+        spread = agreements.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
                             defer=self.defer_step_agreement,
                             parameters=parameter_hash(buckets, stepping + missing),
-                            parameters_written_in_place=len(written), grads_missing=comm.Spread(len(missing)),
-                            grads_missing_named=comm.Spread(parameter_hash(buckets, missing)))
+                            parameters_written_in_place=len(written), grads_missing=agreements.Spread(len(missing)),
+                            grads_missing_named=agreements.Spread(parameter_hash(buckets, missing)))
         if missing:
             (fewest, _), (low, high) = spread["grads_missing"], spread["grads_missing_named"]
             stepping += self.got_elsewhere(missing, stepping, everyone_missed=fewest > 0, all_alike=low == high)

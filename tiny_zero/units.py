@@ -7,7 +7,7 @@ next layer still uses; and the gathers and frees that order decides
 the strategy's, in its wrapper.py: gather(unit)."""
 import torch
 
-from .comm import agree
+from .agreements import agree
 from .module import in_backward_pass
 
 

@@ -1,4 +1,4 @@
-"""What happens once, when a model is wrapped (a first reader may skip it):
+"""What happens once, when a model is wrapped (a first reader may skip this file):
 the checks, the layers swapped for the strategy's, every parameter's name,
 shape and index, and the refusal of a conversion after wrapping. Mixed into
 step.py's Wrapper, before the strategy's own __init__ lays out what a rank
@@ -7,7 +7,7 @@ from operator import attrgetter
 
 import torch
 
-from . import comm
+from . import agreements
 from .buckets import ParamSet
 from .distributed import init_distributed, local_device
 from .guards import check_not_wrapped, check_same_model_on_all_ranks
@@ -37,10 +37,10 @@ class Wrapping:
         self.replica_group = None  # the process group of those ranks (None: the world)
         self.device = torch.device(device) if device is not None else local_device()
         check_same_model_on_all_ranks(module)
-        comm.open_side_channel()
-        comm.agree("the wrapper's settings", wait=False,  # checked before its first collective
-                   strategy=comm.value_hash(type(self).__name__), param_dtype=comm.value_hash(self.param_dtype),
-                   reduce_dtype=comm.value_hash(self.reduce_dtype), loss_scaler=int(self.loss_scaler is not None))
+        agreements.open_side_channel()
+        agreements.agree("the wrapper's settings", wait=False,  # checked before its first collective
+                   strategy=agreements.value_hash(type(self).__name__), param_dtype=agreements.value_hash(self.param_dtype),
+                   reduce_dtype=agreements.value_hash(self.reduce_dtype), loss_scaler=int(self.loss_scaler is not None))
         swap_layers(module, self.layer_classes)
         module.to(self.param_dtype)
         if self.param_dtype != torch.float32:

@@ -1,4 +1,4 @@
-"""What the agreement checks cost: training step time with tiny_zero.comm.agree
+"""What the agreement checks cost: training step time with tiny_zero.agreements.agree
 as it is, against a no-op put in its place, on the example GPT.
 
     torchrun --nproc_per_node 2 example/benchmark/agreement.py
@@ -8,7 +8,7 @@ Before the first collective of every backward pass and before every
 optimizer step, the ranks check that they are about to do the same thing
 (tiny_zero/step.py: Wrapper.backward_started and Wrapper.stepping); zero3
 and fsdp also check before gathering a layer that the recorded order did not
-predict (tiny_zero/comm.py: GatherOrder). Each check is one all-reduce of a few
+predict (tiny_zero/units.py: GatherOrder). Each check is one all-reduce of a few
 integers on a gloo side group; ddp's step check goes out with the next
 backward's, in one.
 
@@ -34,10 +34,10 @@ import torch.distributed as dist
 
 import tiny_zero
 from example.model import CONFIGS, build_model
-from tiny_zero import comm
+from tiny_zero import agreements
 from tiny_zero.distributed import local_device
 
-CHECK, SEND = comm.agree, comm._send  # the real ones
+CHECK, SEND = agreements.agree, agreements._send  # the real ones
 
 
 def parse_args():
@@ -56,7 +56,7 @@ def parse_args():
 
 @contextmanager
 def checks(on, sends=None):
-    """comm.agree as it is (on) or a no-op (off); with `sends`, list the
+    """agreements.agree as it is (on) or a no-op (off); with `sends`, list the
     round trips the checks make (two checks may share one: agree's defer)."""
     def counted(group, checks_sent):
         sends.append([what for what, _ in checks_sent])
@@ -64,12 +64,12 @@ def checks(on, sends=None):
 
     def skipped(what, **values):
         pass
-    comm.agree = CHECK if on else skipped
-    comm._send = counted if sends is not None else SEND
+    agreements.agree = CHECK if on else skipped
+    agreements._send = counted if sends is not None else SEND
     try:
         yield
     finally:
-        comm.agree, comm._send = CHECK, SEND
+        agreements.agree, agreements._send = CHECK, SEND
 
 
 def batches(args, n, device):

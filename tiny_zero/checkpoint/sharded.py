@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .. import comm
+from .. import agreements, comm
 from ..materialize import weights_loaded
 from ..state_dicts import param_group_differences, state_dict_names
 from ..state_dicts import some as _some
@@ -58,7 +58,7 @@ def save(path, model, opt, *, step=0, extra=None):
     comm.where = "saving a checkpoint"
     failed = f"saving checkpoint {path} failed"
     saving = saving_dir(path)
-    comm.check_agreements()  # ranks that disagree on a step (their replicas apart) write nothing
+    agreements.check_agreements()  # ranks that disagree on a step (their replicas apart) write nothing
     _agree(failed, _attempt(_start_saving, path, saving)[1] if model.rank == 0 else None)
     info, error = _attempt(_write_shard, saving, model, opt)
     infos = _agree(failed, error, info)  # every rank's file is complete after this

@@ -17,7 +17,7 @@ A rank's record (a dict of plain lists, times in microseconds from the start):
             ("blocks.3.attn.c_proj backward"): the strategy's gather, wait and
             free around the math count as part of it
     wait    where the rank blocked in comm.Pending.wait(), and on what: a
-            collective ("for": its number) or comm.agree's side channel
+            collective ("for": its number) or agreements.agree's side channel
     comm    each collective tiny_zero.comm counts, from launch to completion,
             with kind, bytes, elements, where it was launched (comm.where)
             and its number in the step

@@ -1,5 +1,5 @@
-"""Parameters' grad hooks (register_hook, register_post_accumulate_grad_hook),
-which a first reader may skip: a strategy runs them as autograd would, and the
+"""Parameters' grad hooks (register_hook, register_post_accumulate_grad_hook;
+a first reader may skip this file): a strategy runs them as autograd would, and the
 layers without a strategy refuse them."""
 
 

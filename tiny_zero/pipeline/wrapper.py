@@ -25,14 +25,14 @@ Collectives:
 - a tied parameter's grad goes to its owner, which adds it to its own before
   the step (after_backward); after the step the owner sends the new value back
   (sync_params).
-- per step: the agreement on it (comm.agree over the world) and one scalar
+- per step: the agreement on it (agreements.agree over the world) and one scalar
   all_reduce of the loss.
 """
 from itertools import accumulate
 
 import torch
 
-from .. import comm
+from .. import agreements, comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs, make_buckets
 from ..distributed import init_distributed
 from ..precision import ScaleGrad
@@ -58,9 +58,9 @@ class Pipeline(PointToPoint, Wrapper):
         self.stage, self.replica = divmod(self.rank, self.replicas)
         self.first, self.last = self.stage == 0, self.stage == stages - 1
         self.actions = SCHEDULES[schedule](stages, microbatches, self.stage)
-        comm.agree("the pipeline", stages=stages, microbatches=microbatches,
-                   schedule=list(SCHEDULES).index(schedule), balance=comm.value_hash(counts))
-        groups = [comm.new_group(range(s * self.replicas, (s + 1) * self.replicas)) for s in range(stages)]
+        agreements.agree("the pipeline", stages=stages, microbatches=microbatches,
+                   schedule=list(SCHEDULES).index(schedule), balance=agreements.value_hash(counts))
+        groups = [agreements.new_group(range(s * self.replicas, (s + 1) * self.replicas)) for s in range(stages)]
         self.replica_group = groups[self.stage]
         ends = list(accumulate(counts))
         children = [list(seq)[end - n:end] for n, end in zip(counts, ends)]
@@ -147,9 +147,9 @@ class Pipeline(PointToPoint, Wrapper):
         if torch.is_grad_enabled():  # a train step: its backward passes add to the grads
             self.before_backward()
         shapes = [(t.dtype, tuple(t.shape)) for t in xs[1]]
-        comm.agree(f"this {what}", step=self.steps, grad=int(torch.is_grad_enabled()),
+        agreements.agree(f"this {what}", step=self.steps, grad=int(torch.is_grad_enabled()),
                    no_sync=int(not self.require_grad_sync),
-                   shapes=comm.value_hash(shapes + [tuple(t.shape) for t in ys[1]]))
+                   shapes=agreements.value_hash(shapes + [tuple(t.shape) for t in ys[1]]))
         self.input_key = (torch.is_grad_enabled(), self.microbatches, *shapes)  # the same on every stage
         self.inputs = self.chunks(*xs) if self.first else None
         self.targets = self.chunks(*ys) if self.last else None

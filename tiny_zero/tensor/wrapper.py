@@ -33,7 +33,7 @@ from math import prod
 import torch
 import torch.nn as nn
 
-from .. import comm
+from .. import agreements, comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..distributed import init_distributed
 from ..state_dicts import Piece
@@ -214,8 +214,8 @@ def process_groups(tp_size, replicas):
     """This rank's tensor group (consecutive ranks) and replica group (the
     ranks that hold the same slices: every T-th). Collective: every rank
     makes every group, in the same order."""
-    tensor_groups = [comm.new_group(range(r * tp_size, (r + 1) * tp_size)) for r in range(replicas)]
-    replica_groups = [comm.new_group(range(k, tp_size * replicas, tp_size)) for k in range(tp_size)]
+    tensor_groups = [agreements.new_group(range(r * tp_size, (r + 1) * tp_size)) for r in range(replicas)]
+    replica_groups = [agreements.new_group(range(k, tp_size * replicas, tp_size)) for k in range(tp_size)]
     tensor_group = next(g for g in tensor_groups if g is not None)  # new_group: None where this rank is not in it
     replica_group = next(g for g in replica_groups if g is not None)
     return tensor_group, replica_group
