@@ -185,9 +185,10 @@ class Run:
                 x, y = run.batch(step)
                 loss = model(x, y)
                 if run.skip(loss, step):               # inf/nan on some rank: skipped, or the run stops
-                    continue
+                    continue                           # (the loop's all-reduce of one flag, and a host read)
                 ...                                    # backward, clip, step, zero_grad
-                run.log(step, loss)                    # the step's line; saves every --save-every
+                run.log(step, loss)                    # the step's line (the loop's all-reduce of the loss,
+                                                       # and a host read); saves every --save-every
             run.finish()                               # eval, peak memory, the accounting report
     """
 
@@ -369,6 +370,14 @@ class Run:
         return "torch.cuda.max_memory_allocated in training and eval"
 
 
+def loop_collectives(model):
+    """What the loop itself sends, outside tiny_zero.comm: Run.skip's and Run.log's all-reduces."""
+    if getattr(model, "world_size", 1) == 1:
+        return []
+    return ["  not counted above: the loop's own 2 all-reduces of one number per step, over plain "
+            "torch.distributed (Run.skip: a non-finite loss on any rank; Run.log: the mean loss)"]
+
+
 def average_over_ranks(value):
     """The mean of a scalar tensor over ranks, as a float (ranks hold equal batches)."""
     value = value.float()
@@ -500,6 +509,7 @@ class Accounting:
         kinds = ", ".join(f"{kind} {count:,.0f}" for kind, count in per_step.items())
         return [f"communication per training step (tiny_zero.comm, {self.steps} steps; every rank alike)",
                 f"  collective sizes: {kinds or 'none'} elements",
+                *loop_collectives(self.model),
                 f"  per rank: {sent:,.0f} element-transfers = {sent / numel:.3f}Ψ "
                 f"(each rank moves (N-1)/N = {(n - 1) / n:.3f} of a collective, twice that of an all-reduce)",
                 f"  tiny_zero.measure.estimate: {expected:,.0f} (without the grad norm's scalar all-reduce"
@@ -516,6 +526,7 @@ class Accounting:
         kinds = ", ".join(f"{kind} {count:,.0f}" for kind, count in per_step.items())
         return [f"communication per training step (tiny_zero.comm, {self.steps} steps; every rank alike)",
                 f"  collective sizes: {kinds or 'none'} elements",
+                *loop_collectives(self.model),
                 f"  tiny_zero.measure.estimate: all_reduce {expected['all_reduce']:,} (activations in each tensor "
                 f"group of {model.tp_size}: 2 per block in forward, 2 in backward"
                 + (", again in each checkpointed block's forward" if self.args.checkpoint_activations else "")

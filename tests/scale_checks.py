@@ -67,8 +67,9 @@ def local_batch(step, micro, rank, world):
 def in_flight(model):
     """Collectives and buffers that should not outlive a step."""
     found = []
-    if model.in_flight:
-        found.append(f"{len(model.in_flight)} gathers still in flight")
+    gathers = {**getattr(model, "in_flight", {}), **getattr(model, "gathered", {})}  # zero3, fsdp (units.Gathering)
+    if gathers:
+        found.append(f"{len(gathers)} gathers still in flight or held")
     temporary = [b for b in model.buckets if model.buckets.flat is None and b.grads is not None]
     if temporary:
         found.append(f"{len(temporary)} grad buckets still allocated")

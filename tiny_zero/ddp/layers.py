@@ -6,9 +6,9 @@ from ..step import layer_classes
 
 class DDPLayer:
     def grad_ready(self, param, grad):
-        ddp = self.wrapper
-        for bucket in ddp.buckets.add(param, grad, send=ddp.require_grad_sync):  # into flat_grads
-            ddp.all_reduce(bucket)  # STRATEGY: now, async; backward goes on
+        wrapper = self.wrapper
+        for bucket in wrapper.buckets.add(param, grad, send=wrapper.require_grad_sync):  # into flat_grads
+            wrapper.all_reduce(bucket)  # STRATEGY: now, async; backward goes on
 
 
 LAYER_CLASSES = layer_classes(DDPLayer)  # DDPLinear, DDPLayerNorm, DDPEmbedding, ...

@@ -1,30 +1,29 @@
 """FSDP layers: around each layer's math, in forward and again in backward,
-its unit is all-gathered before (the next layer's is already on the way) and
-freed after; the gather and the free happen at a unit's first and last layer,
-the layers between find it gathered. A grad goes into its unit's temporary
-buffer; a unit whose grads are final is reduce-scattered at once,
-asynchronously (wrapper.py). At world 1 nothing is gathered or freed.
+its unit is all-gathered before (the next unit is already on the way) and
+freed after: at the unit's first layer and after its last. A grad goes into
+its unit's bucket; a bucket whose grads are final is reduce-scattered at
+once, asynchronously (wrapper.py). At world 1 nothing is gathered or sent.
 
-Compare with ../zero3/layers.py: the same gather, compute, free; only how a
-unit is gathered and where its grads go differ, in wrapper.py."""
+Compare with ../zero3/layers.py: the same moments; only the collectives
+differ, and how a unit is laid out, in wrapper.py."""
 from ..step import layer_classes
 
 
 class FSDPLayer:
     def before_layer(self, training, backward):
-        fsdp = self.wrapper
-        if fsdp.gathers:
-            fsdp.unshard(self, training, backward)  # STRATEGY: gather: all-gather the unit
+        wrapper = self.wrapper
+        if wrapper.gathers:
+            wrapper.unshard(self, training, backward)  # STRATEGY: gather: all-gather the unit
 
     def after_layer(self):
-        fsdp = self.wrapper
-        if fsdp.gathers:
-            fsdp.reshard(self)  # STRATEGY: free: nothing full is kept for backward, or for the next layer
+        wrapper = self.wrapper
+        if wrapper.gathers:
+            wrapper.reshard(self)  # STRATEGY: free: nothing full is kept for backward, or for the next layer
 
     def grad_ready(self, param, grad):
-        fsdp = self.wrapper
-        for unit in fsdp.buckets.add(param, grad, send=fsdp.require_grad_sync):
-            fsdp.reduce_scatter(unit)  # STRATEGY: now, async; backward goes on
+        wrapper = self.wrapper
+        for bucket in wrapper.buckets.add(param, grad, send=wrapper.require_grad_sync):  # a unit's trainable part
+            wrapper.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on
 
 
 LAYER_CLASSES = layer_classes(FSDPLayer)  # FSDPLinear, FSDPLayerNorm, FSDPEmbedding, ...

@@ -9,9 +9,9 @@ from ..step import layer_classes
 
 class ZeroOffloadLayer:
     def grad_ready(self, param, grad):
-        offload = self.wrapper
-        for bucket in offload.buckets.add(param, grad, send=offload.require_grad_sync):
-            offload.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on
+        wrapper = self.wrapper
+        for bucket in wrapper.buckets.add(param, grad, send=wrapper.require_grad_sync):
+            wrapper.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on
 
 
 LAYER_CLASSES = layer_classes(ZeroOffloadLayer)  # ZeroOffloadLinear, ZeroOffloadLayerNorm, ZeroOffloadEmbedding, ...

@@ -11,9 +11,9 @@ from ..step import layer_classes
 
 class PipelineLayer:
     def grad_ready(self, param, grad):
-        pipe = self.wrapper
-        for bucket in pipe.buckets.add(param, grad, send=pipe.averaging):  # averaging: the last micro-batch's backward
-            pipe.all_reduce(bucket)  # STRATEGY: now, async; backward goes on
+        wrapper = self.wrapper
+        for bucket in wrapper.buckets.add(param, grad, send=wrapper.averaging):  # averaging: the last micro-batch's backward
+            wrapper.all_reduce(bucket)  # STRATEGY: now, async; backward goes on
 
 
 LAYER_CLASSES = layer_classes(PipelineLayer)  # PipelineLinear, PipelineLayerNorm, PipelineEmbedding, ...

@@ -25,18 +25,18 @@ from ..step import layer_classes
 
 class TensorParallelLayer:
     def grad_ready(self, param, grad):
-        tp = self.wrapper
-        for bucket in tp.buckets.add(param, grad, send=tp.require_grad_sync):  # into flat_grads
-            tp.all_reduce(bucket)  # STRATEGY: across the replicas, now, async; backward goes on
+        wrapper = self.wrapper
+        for bucket in wrapper.buckets.add(param, grad, send=wrapper.require_grad_sync):  # into flat_grads
+            wrapper.all_reduce(bucket)  # STRATEGY: across the replicas, now, async; backward goes on
 
 
 class ColumnParallel(TensorParallelLayer):
     @torch.compiler.disable
     def forward(self, x):
-        tp = self.wrapper
-        if tp.column_input is None or tp.column_input[0] is not x:  # q, k and v read one x: one SumOverSlices
-            tp.column_input = (x, SumOverSlices.apply(x, tp.tensor_group))
-        return super().forward(tp.column_input[1])
+        wrapper = self.wrapper
+        if wrapper.column_input is None or wrapper.column_input[0] is not x:  # q, k and v read one x: one SumOverSlices
+            wrapper.column_input = (x, SumOverSlices.apply(x, wrapper.tensor_group))
+        return super().forward(wrapper.column_input[1])
 
 
 class SumOverSlices(torch.autograd.Function):

@@ -7,8 +7,8 @@ from ..step import layer_classes
 
 class Zero1Layer:
     def grad_ready(self, param, grad):
-        zero1 = self.wrapper
-        zero1.buckets.add(param, grad, send=False)  # STRATEGY: full grads in flat_grads, no send yet
+        wrapper = self.wrapper
+        wrapper.buckets.add(param, grad, send=False)  # STRATEGY: full grads in flat_grads, no send yet
 
 
 LAYER_CLASSES = layer_classes(Zero1Layer)  # Zero1Linear, Zero1LayerNorm, Zero1Embedding, ...

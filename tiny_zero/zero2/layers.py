@@ -9,9 +9,9 @@ from ..step import layer_classes
 
 class Zero2Layer:
     def grad_ready(self, param, grad):
-        zero2 = self.wrapper
-        for bucket in zero2.buckets.add(param, grad, send=zero2.require_grad_sync):
-            zero2.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on
+        wrapper = self.wrapper
+        for bucket in wrapper.buckets.add(param, grad, send=wrapper.require_grad_sync):
+            wrapper.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on
 
 
 LAYER_CLASSES = layer_classes(Zero2Layer)  # Zero2Linear, Zero2LayerNorm, Zero2Embedding, ...

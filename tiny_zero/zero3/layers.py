@@ -8,19 +8,19 @@ from ..step import layer_classes
 
 class Zero3Layer:
     def before_layer(self, training, backward):
-        zero3 = self.wrapper
-        if zero3.gathers:
-            zero3.unshard(self, training, backward)  # STRATEGY: gather: broadcast from the owners
+        wrapper = self.wrapper
+        if wrapper.gathers:
+            wrapper.unshard(self, training, backward)  # STRATEGY: gather: broadcast from the owners
 
     def after_layer(self):
-        zero3 = self.wrapper
-        if zero3.gathers:
-            zero3.reshard(self)  # STRATEGY: free: nothing full is kept for backward, or for the next layer
+        wrapper = self.wrapper
+        if wrapper.gathers:
+            wrapper.reshard(self)  # STRATEGY: free: nothing full is kept for backward, or for the next layer
 
     def grad_ready(self, param, grad):
-        zero3 = self.wrapper
-        for bucket in zero3.buckets.add(param, grad, send=zero3.require_grad_sync):
-            zero3.reduce(bucket)  # STRATEGY: to its owner, now, async; backward goes on
+        wrapper = self.wrapper
+        for bucket in wrapper.buckets.add(param, grad, send=wrapper.require_grad_sync):
+            wrapper.reduce(bucket)  # STRATEGY: to its owner, now, async; backward goes on
 
 
 LAYER_CLASSES = layer_classes(Zero3Layer)  # Zero3Linear, Zero3LayerNorm, Zero3Embedding, ...
