@@ -46,6 +46,11 @@ class DDP(Wrapper):
         # grads averaged before (no zero_grad) were the same on every rank: / N, summed, they stay
         self.buckets.wait()  # STRATEGY: the only wait, at the end of backward
 
+    def sync_params(self):
+        pass  # every rank made the same update: nothing to send
+
+    # ------------------------------------------------------------ zero_grad, p.grad, state dicts (torch's conventions)
+
     def clear_grads(self, set_to_none):
         pass  # the buckets are views of flat_grads, which Buckets.clear zeroes
 
@@ -70,6 +75,3 @@ class DDP(Wrapper):
     def gather_full(self):
         return {self.module.get_parameter(piece.name): piece.tensor[piece.offset:piece.offset + piece.hi]
                 .float().view(piece.shape).cpu().clone() for piece in self.pieces()}
-
-    def sync_params(self):
-        pass  # every rank made the same update: nothing to send

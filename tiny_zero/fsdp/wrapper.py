@@ -116,6 +116,11 @@ class FSDP(Gathering, Wrapper):
 
     after_backward = Wrapper.send_the_rest
 
+    def sync_params(self):
+        pass  # the slices are updated in place; the next forward gathers them
+
+    # ------------------------------------------------------------ zero_grad, p.grad, state dicts (torch's conventions)
+
     def clear_grads(self, set_to_none):
         self.drop_grads(set_to_none)
 
@@ -141,9 +146,6 @@ class FSDP(Gathering, Wrapper):
         for unit, tensor, start in self.unit_slices():
             full.update(self.gather_bucket(unit, tensor[start:start + self.slices[unit].numel()].float()))
         return full
-
-    def sync_params(self):
-        pass  # the slices are updated in place; the next forward gathers them
 
 
 def flat_units(groups, world_size):

@@ -91,13 +91,6 @@ class ZeroOffload(Wrapper):
                     dest.add_(land)  # the averages add up, as p.grad does in torch
         self.landing = []
 
-    def clear_grads(self, set_to_none):
-        with self.host_threads():
-            self.host_grads.zero_()  # the buckets' full grads: Buckets.clear drops them
-
-    def grad_attr(self, param):
-        return self.sharded_grad(param)
-
     def clip_grad_norm_(self, max_norm):
         with self.host_threads():  # the grads it reads are on the host
             return super().clip_grad_norm_(max_norm)
@@ -118,12 +111,6 @@ class ZeroOffload(Wrapper):
 
     # ------------------------------------------------------------ after the step: parameters to the device
 
-    def pieces(self):
-        return self.chunk_pieces()
-
-    def gather_full(self):
-        return self.gather_chunks()
-
     @torch.no_grad()
     def sync_params(self):
         for bucket, shard in zip(self.buckets, self.shards):
@@ -132,6 +119,21 @@ class ZeroOffload(Wrapper):
             bucket.handle = comm.all_gather(bucket.range(self.flat_params), chunk, async_op=True)  # STRATEGY
         self.wait_for_copies()  # the host's buffers are free again when this returns
         self.buckets.wait()  # STRATEGY: every rank's updated chunks, before the next forward
+
+    # ------------------------------------------------------------ zero_grad, p.grad, state dicts (torch's conventions)
+
+    def clear_grads(self, set_to_none):
+        with self.host_threads():
+            self.host_grads.zero_()  # the buckets' full grads: Buckets.clear drops them
+
+    def grad_attr(self, param):
+        return self.sharded_grad(param)
+
+    def pieces(self):
+        return self.chunk_pieces()
+
+    def gather_full(self):
+        return self.gather_chunks()
 
     # ------------------------------------------------------------ the host
 

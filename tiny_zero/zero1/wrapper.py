@@ -75,6 +75,15 @@ class Zero1(Wrapper):
         grads[:self.rank * size].zero_()
         grads[(self.rank + 1) * size:].zero_()
 
+    @torch.no_grad()
+    def sync_params(self):
+        for bucket in self.buckets:
+            chunk = bucket.chunk(self.flat_params, self.rank, self.world_size)
+            bucket.handle = comm.all_gather(bucket.range(self.flat_params), chunk, async_op=True)  # STRATEGY
+        self.buckets.wait()  # STRATEGY: every rank's updated chunks, before the next forward
+
+    # ------------------------------------------------------------ zero_grad, p.grad, state dicts (torch's conventions)
+
     def clear_grads(self, set_to_none):
         self.holds_average = self.scaled = False  # Buckets.clear zeroes flat_grads, averages included
 
@@ -86,10 +95,3 @@ class Zero1(Wrapper):
 
     def gather_full(self):
         return self.gather_chunks()
-
-    @torch.no_grad()
-    def sync_params(self):
-        for bucket in self.buckets:
-            chunk = bucket.chunk(self.flat_params, self.rank, self.world_size)
-            bucket.handle = comm.all_gather(bucket.range(self.flat_params), chunk, async_op=True)  # STRATEGY
-        self.buckets.wait()  # STRATEGY: every rank's updated chunks, before the next forward

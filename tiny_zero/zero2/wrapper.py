@@ -56,6 +56,15 @@ class Zero2(Wrapper):
 
     after_backward = Wrapper.send_the_rest
 
+    @torch.no_grad()
+    def sync_params(self):
+        for bucket in self.buckets:
+            chunk = bucket.chunk(self.flat_params, self.rank, self.world_size)
+            bucket.handle = comm.all_gather(bucket.range(self.flat_params), chunk, async_op=True)  # STRATEGY
+        self.buckets.wait()  # STRATEGY: every rank's updated chunks, before the next forward
+
+    # ------------------------------------------------------------ zero_grad, p.grad, state dicts (torch's conventions)
+
     def clear_grads(self, set_to_none):
         self.grad_chunks.zero_()  # the buckets' full grads: Buckets.clear drops them
 
@@ -67,10 +76,3 @@ class Zero2(Wrapper):
 
     def gather_full(self):
         return self.gather_chunks()
-
-    @torch.no_grad()
-    def sync_params(self):
-        for bucket in self.buckets:
-            chunk = bucket.chunk(self.flat_params, self.rank, self.world_size)
-            bucket.handle = comm.all_gather(bucket.range(self.flat_params), chunk, async_op=True)  # STRATEGY
-        self.buckets.wait()  # STRATEGY: every rank's updated chunks, before the next forward

@@ -125,6 +125,11 @@ class Zero3(Gathering, Wrapper):
 
     after_backward = Wrapper.send_the_rest
 
+    def sync_params(self):
+        pass  # the owners hold the updated tensors; the next forward broadcasts them
+
+    # ------------------------------------------------------------ zero_grad, p.grad, state dicts (torch's conventions)
+
     def clear_grads(self, set_to_none):
         self.drop_grads(set_to_none)
 
@@ -148,9 +153,6 @@ class Zero3(Gathering, Wrapper):
             comm.broadcast(value, src=self.owner[p])  # the fp32 master, from its owner
             full[p] = value.cpu().clone()
         return full
-
-    def sync_params(self):
-        pass  # the owners hold the updated tensors; the next forward broadcasts them
 
 
 def unit_params(groups):
