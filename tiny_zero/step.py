@@ -94,6 +94,7 @@ class StrategyLayer(ConversionGuard):
         self.after_layer()  # moment: after it computed
         return grad_in
 
+
 class LayerMoments:
     """A layer's moments in a step, which a strategy's mixin (its layers.py)
     fills in; here, what a moment does where the mixin leaves it out.
@@ -119,10 +120,12 @@ def layer_classes(mixin):
 
 class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, ForwardedAttributes, nn.Module):
     """What every strategy's wrapper shares. A strategy sets layer_classes and
-    fills in the hooks below; checks, the backward's bookkeeping, no_sync and
-    the step's agreement are here; p.grad's conventions in grads.py, helpers
-    for what a rank holds in holding.py, clipping and fp16 in precision.py,
-    state dicts and pieces in state_dicts.py, model.<name> in guards.py."""
+    fills in the moments below (and zero_grad's clear_grads, p.grad's
+    grad_attr, the state dicts' pieces and gather_full); the backward's
+    bookkeeping, no_sync and the step's agreement are here. Apart: the
+    wrap-time setup in wrapping.py, p.grad's conventions in grads.py, what a
+    rank holds in holding.py, clipping and fp16 in precision.py, state dicts
+    in state_dicts.py, model.<name> in guards.py."""
 
     layer_classes = None  # {torch layer class: this strategy's layer class}, from layer_classes(<Name>Layer)
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
@@ -132,7 +135,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, Fo
     # agreement goes out with that backward's, one round trip for both
     defer_step_agreement = False
 
-    # ------------------------------------------------------------ hooks
+    # ------------------------------------------------------------ the wrapper's moments
 
     def after_backward(self):
         """Moment: the end of a backward pass outside no_sync(). Send what
