@@ -506,18 +506,21 @@ def grad_hooks(name):
 class AuxNet(LoopNet):
     """LoopNet with two auxiliary heads that run on every rank, and whose
     losses are added where named in `aux_losses` (as for the batches that
-    have an image, or a caption)."""
+    have an image, or a caption). heads_last: they run after the main head,
+    so that a backward may begin at a layer other than the forward's last."""
 
-    def __init__(self):
+    def __init__(self, heads_last=False):
         super().__init__()
         self.aux = nn.Linear(WIDTH, VOCAB)
         self.aux2 = nn.Linear(WIDTH, VOCAB, bias=False)
         self.aux_losses = ()
+        self.heads_last = heads_last
 
     def forward(self, idx, targets):
         h = self.emb(idx)
         h = h + self.fc2(torch.tanh(self.fc1(self.ln(h))))
-        outs = {"aux": self.aux(h), "aux2": self.aux2(h), "head": self.head(h)}
+        order = ("head", "aux", "aux2") if self.heads_last else ("aux", "aux2", "head")
+        outs = {n: getattr(self, n)(h) for n in order}
         return sum(F.cross_entropy(outs[n].view(-1, VOCAB), targets.reshape(-1)) for n in ("head", *self.aux_losses))
 
 
@@ -534,15 +537,21 @@ def head_on_some_ranks(name):
     find_unused_parameters=True: a rank without its grad sends zeros, the
     parameter is averaged and stepped on every rank when some rank had a
     grad, and not stepped (p.grad None) when none had. Parameters and which
-    p.grad is None after each step equal torch DDP's."""
+    p.grad is None after each step equal torch DDP's; with the heads run
+    before the main head, and after it (zero3's and fsdp's backward then
+    begins, on some ranks, past the forward's last layer)."""
+    return aux_heads(name, heads_last=False) + aux_heads(name, heads_last=True)
+
+
+def aux_heads(name, heads_last):
     from torch.nn.parallel import DistributedDataParallel
 
-    failures, where = [], f"{name} world {dist.get_world_size()}"
+    failures, where = [], f"{name} world {dist.get_world_size()}{', heads last' if heads_last else ''}"
     torch.manual_seed(0)
-    ref = DistributedDataParallel(AuxNet(), find_unused_parameters=True)
+    ref = DistributedDataParallel(AuxNet(heads_last), find_unused_parameters=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0, weight_decay=WD)
     torch.manual_seed(0)
-    model = tiny_zero.STRATEGIES[name][0](AuxNet(), **({} if name == "fsdp" else {"bucket_bytes": 200}))
+    model = tiny_zero.STRATEGIES[name][0](AuxNet(heads_last), **({} if name == "fsdp" else {"bucket_bytes": 200}))
     opt = tiny_zero.STRATEGIES[name][1](model, lr=LR, eps=1.0, weight_decay=WD)
     for step, losses in enumerate(AUX_STEPS):
         for m, o in ((ref, ref_opt), (model, opt)):

@@ -25,7 +25,8 @@ class Bucket:
             into grads when the bucket is sent
     fresh   a grad was added since the bucket was last handed out to be sent
     used    a forward recorded for backward used one of its parameters since then
-    handle  the strategy's collective in flight for this bucket (a Pending)
+    handle  a collective in flight for this bucket (a Pending), where the strategy keeps it here
+            (ddp's all-reduce, sync_params' all-gathers); Buckets.wait waits for them
     """
 
     def __init__(self, index, params, pad_to=1):
@@ -190,11 +191,11 @@ class Buckets:
         self.packed = {b: packed(b) for b in buckets}  # bucket -> its grads' elements before the padding, or None
         self.dtype, self.device, self.flat = dtype, device, flat
         self.average_over = average_over
-        self.slots = None  # with a flat buffer: each parameter's view of it, made once (by index)
+        self.grad_views = None  # with a flat buffer: each parameter's view of it, made once (by index)
         if flat is not None:
             for b in buckets:
                 b.grads = b.range(flat)
-            self.slots = [self.list[k].own_view(self.list[k].grads, p) for k, p in zip(self.home, self.params)]
+            self.grad_views = [self.list[k].own_view(self.list[k].grads, p) for k, p in zip(self.home, self.params)]
         self.got_grad = ParamSet(self)  # parameters that got a grad since clear()
         self.expected = ParamSet(self)  # used by forwards recorded for backward, since clear() or the last step
         self.pending = [0] * len(self.params)  # index -> uses whose backward has not run yet
@@ -214,7 +215,7 @@ class Buckets:
         """forward_uses, for parameters rather than their indices."""
         self.forward_uses(self.indices(params), recorded)
 
-    def forward_uses(self, slots, recorded):
+    def forward_uses(self, indices, recorded):
         """A forward that a backward may follow used the parameters at these
         indices: each use's backward is one grad contribution to come.
         `recorded` (autograd recorded it): the ranks agree on those layers,
@@ -223,7 +224,7 @@ class Buckets:
         no grad came (the layer's output reached this rank's loss, not another's)."""
         pending, waiting, home = self.pending, self.waiting, self.home
         marks, buckets = self.expected.marks, self.list
-        for i in slots:
+        for i in indices:
             if pending[i] == 0:
                 waiting[home[i]] += 1
             pending[i] += 1
@@ -296,7 +297,7 @@ class Buckets:
         if self.flat is None:
             place = self.keep_part(i, grad)
         else:
-            place = self.slots[i]
+            place = self.grad_views[i]
             if got[i]:
                 place.add_(grad)
             else:  # its place holds zeros (since clear()): a copy is the same sum, with one read less

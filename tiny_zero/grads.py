@@ -47,8 +47,8 @@ class TorchGrads:
             for p in params:
                 if p.grad is not None and not isinstance(p.grad, ShardedGrad):
                     p.grad.zero_()
-        slots = set(self.buckets.indices(params))
-        if len(slots) == len(self.shown):  # every trainable parameter
+        indices = set(self.buckets.indices(params))
+        if len(indices) == len(self.shown):  # every trainable parameter
             self.clip_coef = None  # nothing left to clip
             self.clear_grads(set_to_none)
             self.buckets.clear(keep_got_grad=not set_to_none)
@@ -57,9 +57,9 @@ class TorchGrads:
                 self.averaged.clear()
         else:
             if set_to_none:
-                for i in slots:
+                for i in indices:
                     self.showing.marks[i] = 0
-            self.clear_some_grads(params, slots, set_to_none)
+            self.clear_some_grads(params, indices, set_to_none)
 
     def forget_cleared_grads(self):
         """A p.grad that backward set and that was set to None since, outside
@@ -92,7 +92,7 @@ class TorchGrads:
         grads = list(map(GRAD, self.buckets.params))
         if all(map(is_, grads, repeat(None))) or all(map(is_, grads, self.shown)):  # the usual, one pass in C
             return
-        for i in self.trainable_slots:  # in the model's order: the first such parameter is named
+        for i in self.trainable_indices:  # in the model's order: the first such parameter is named
             grad, before = grads[i], self.assigned.get(i, (None, None))
             if grad is None or grad is self.shown[i] or (grad is before[0] and grad._version == before[1]):
                 continue
@@ -103,8 +103,8 @@ class TorchGrads:
                                "head, as GPT-2's), or give the other use a parameter of its own")
 
     @torch.no_grad()
-    def clear_some_grads(self, params, slots, set_to_none):
-        """zero_grad of some parameters only (`slots`: the indices of the
+    def clear_some_grads(self, params, indices, set_to_none):
+        """zero_grad of some parameters only (`indices`: the indices of the
         trainable ones): their places in model.grads and in the buckets are
         zeroed (what the others hold stays)."""
         names = {self.name_of[p] for p in params if p in self.name_of}
@@ -113,7 +113,7 @@ class TorchGrads:
             if grads is not None and piece.name in names:
                 grads[piece.offset:piece.offset + piece.hi - piece.lo].zero_()
         buckets = self.buckets
-        for i in slots:
+        for i in indices:
             bucket = buckets.list[buckets.home[i]]
             if bucket.grads is not None:
                 buckets.own_view(bucket.grads, i).zero_()

@@ -23,7 +23,8 @@ One training step, its moments (in the folder) and every collective it sends:
                       average into model.grads), then p.grad is set
     clip_grad_norm_   the all-reduce of the grads' squared norm, where a rank
                       holds only part of them (precision.py)
-    opt.step()        optimizer.py: stepping, the ranks' agreement on the
+    opt.step()        optimizer.py: free_gathered (zero3, fsdp: nothing stays
+                      gathered); stepping, the ranks' agreement on the
                       parameters that step; fp16: the all-reduce of the
                       overflow flag; AdamW on model.shards with model.grads,
                       per parameter group; sync_params (zero1, zero2,
@@ -151,8 +152,10 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, Fo
     # ------------------------------------------------------------ helpers for strategies
 
     def sent(self, *in_flight):
-        """A bucket was just sent (send: in_flight, what finish takes): finish
-        the one sent before it, whose wait had this bucket's backward to complete."""
+        """A bucket's collective was just started (in_flight: the arguments of
+        the strategy's finish). Now wait for the one started before it, and
+        finish it: its collective ran while this bucket's grads were computed.
+        So at most two are in flight, and a sent bucket's grads go one bucket later."""
         self.sending.append(in_flight)
         if len(self.sending) > 1:
             self.finish(*self.sending.pop(0))
@@ -201,7 +204,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, Fo
         recomputes, is one too), whose uses only hold its buckets back."""
         if self.in_backward and not in_backward_pass():
             self.in_backward = False  # a backward that raised never reached backward_done
-        self.buckets.forward_uses(layer.slots, recorded)
+        self.buckets.forward_uses(layer.param_indices, recorded)
         if recorded:
             self.used.append(layer.index)
 
@@ -256,7 +259,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, Fo
         self.check_requires_grad()
         buckets, got = self.buckets, self.buckets.got_grad.marks
         stepping = []
-        for i in self.trainable_slots:
+        for i in self.trainable_indices:
             p = buckets.params[i]
             grad = p.grad
             if grad is None:

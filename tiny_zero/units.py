@@ -50,9 +50,8 @@ class GatherOrder:
         what it needs was gathered or started ahead; `training`: a forward
         that a backward may follow."""
         in_backward = backward or in_backward_pass()
-        if in_backward and self.recording:  # the first backward ends the recording; it walks back from the end
-            self.recording = False
-            self.position = len(self.order)
+        if in_backward and self.recording:
+            self.stop_recording()
         if self.recording or not expected:
             agree(f"the layer to gather in {'backward' if backward else 'forward'}", layer=layer.index)
         self.last = layer
@@ -65,6 +64,18 @@ class GatherOrder:
             self.step_back(layer)
         elif not in_backward:
             self.step_forward(layer)
+
+    def stop_recording(self):
+        """The first backward ends the recording; it walks back from the end."""
+        self.recording = False
+        self.position = len(self.order)
+
+    def walk_back(self):
+        """A backward pass begins (its first layer's backward is about to
+        run): the walk turns back from where the forward ended."""
+        if self.recording:
+            self.stop_recording()
+        self.backward = True
 
     def step_forward(self, layer):
         if self.position < len(self.order) and self.order[self.position] is layer:
@@ -189,8 +200,10 @@ class Gathering:
         it ran: gather, free, and send their buckets once their uses are
         counted done (with zeros where no grad came)."""
         order = self.order
-        if not order.backward:  # not after a layer's backward of this pass
+        if not self.gathers:
             return
+        if not order.backward:  # the pass's first layer backward: the layers run last may be skipped too
+            order.walk_back()
         skipped = order.next_layer()
         while skipped is not None and skipped is not layer and layer in order.order[:order.position - 1]:
             self.unshard(skipped, training=False, backward=True)

@@ -51,7 +51,7 @@ class Wrapping:
             layer.path, layer.index = path, index
             layer.where_forward, layer.where_backward = f"{path} forward", f"{path} backward"  # comm.where's
             layer.trained = [p for p in layer.parameters(recurse=False) if p.requires_grad]  # read once, as below
-            layer.slots = []  # their indices in self.buckets, set with it
+            layer.param_indices = []  # their indices in self.buckets, set with it
         self.callback_layers = [layer for _, layer in layers]
         self.module = module
         self.scale_entered = False  # fp16: the loss scale entered the backward running now (ScaleGrad)
@@ -90,14 +90,14 @@ class Wrapping:
     def index_params(self, buckets):
         """When the strategy sets self.buckets (once, having cut them): every
         trainable parameter's index is its place in them (Buckets.index), what
-        each layer keeps of its own (layer.slots), and where the step's
+        each layer keeps of its own (layer.param_indices), and where the step's
         per-parameter state lives. From here on a step looks no parameter up
         by its hash."""
         for layer in self.callback_layers:
-            layer.slots = buckets.indices(layer.trained)
+            layer.param_indices = buckets.indices(layer.trained)
         self.shown = [None] * len(buckets.params)
         self.showing = ParamSet(buckets)
-        self.trainable_slots = buckets.indices(self.trainable)  # in self.trainable's order
+        self.trainable_indices = buckets.indices(self.trainable)  # in self.trainable's order
         # what p.requires_grad must read at each step: True for the parameters the buckets hold
         self.checked = self.trainable + self.frozen
         self.requires = [id(p) in buckets.index for p in self.checked]

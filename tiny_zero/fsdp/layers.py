@@ -18,7 +18,7 @@ class FSDPLayer:
     def after_layer(self):
         wrapper = self.wrapper
         if wrapper.gathers:
-            wrapper.reshard(self)  # STRATEGY: free: nothing full is kept for backward, or for the next layer
+            wrapper.reshard(self)  # STRATEGY: free the units the next layer does not use
 
     def grad_ready(self, param, grad):
         wrapper = self.wrapper

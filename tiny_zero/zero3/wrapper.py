@@ -10,8 +10,9 @@ gathered ahead). At world 1 a rank owns all: nothing is gathered or sent.
 Collectives: broadcast of a unit's tensors from each owner, all at once (its
 bucket: its tensors of the unit, side by side), before the unit's first layer
 runs forward and again before its last layer's backward, the next unit's
-started ahead (unshard); reduce of each bucket's grads to its owner as the
-unit's backward ends. Owners step their tensors: nothing is gathered after.
+started ahead (units.py: unshard); reduce of each bucket's grads to its
+owner in backward, as soon as they are final. Owners step their tensors:
+nothing is gathered after.
 """
 import torch
 
@@ -169,9 +170,9 @@ def unit_params(groups):
 
 def owner_buckets(params, owner, unit_of, bucket_bytes):
     """Buckets of grads bound for one owner each, of one unit, at most
-    bucket_bytes, ordered by when their last grad becomes ready. A unit's
-    buckets are sent as its backward ends, so they hold its grads alone
-    (as FSDP2's reduce-scatter of one unit)."""
+    bucket_bytes, ordered by when their last grad becomes ready. A bucket
+    holds one unit's grads alone, so it is final by the end of that unit's
+    backward (as FSDP2's reduce-scatter of one unit)."""
     runs, open_runs, size, last = [], {}, {}, {}
     for position, p in enumerate(params):
         rank, nbytes = owner[p], p.numel() * p.element_size()
