@@ -25,8 +25,7 @@ class Bucket:
             into grads when the bucket is sent
     fresh   a grad was added since the bucket was last handed out to be sent
     used    a forward recorded for backward used one of its parameters since then
-    handle  a collective in flight for this bucket (a Pending), where the strategy keeps it here
-            (ddp's all-reduce, sync_params' all-gathers); Buckets.wait waits for them
+    handle  a collective in flight for it (ddp's all-reduce, sync_params' all-gathers): Buckets.wait
     """
 
     def __init__(self, index, params, pad_to=1):
