@@ -1,9 +1,11 @@
 """FSDP, intra-tensor: every tensor is split 1/N across ranks.
 
-A rank holds: for each unit (a transformer block by default; `units=` picks
-module classes or names; a layer outside them is a unit of its own), a 1/N
-slice of its parameters, flattened and padded (trainable and frozen ones
-apart), all its trainable slices in one flat buffer, each slice's
+A unit, what is gathered and freed together (units.py), is here one flat
+layout (flat_units): the trainable parameters of a transformer block (by
+default; `units=` picks module classes or names; a layer outside them is one
+of its own), or its frozen ones, flattened and padded; a Bucket, whose grads
+are also reduce-scattered as one. A rank holds: a 1/N slice of every unit,
+all its trainable slices in one flat buffer, each slice's
 averaged grads (from the unit's reduce-scatter to zero_grad) and optimizer
 state; a full buffer per unit, made once, whose memory exists only while the
 unit's layers run, and the next unit's, gathered ahead. Each parameter has a
