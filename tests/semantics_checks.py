@@ -538,9 +538,11 @@ def head_on_some_ranks(name):
     parameter is averaged and stepped on every rank when some rank had a
     grad, and not stepped (p.grad None) when none had. Parameters and which
     p.grad is None after each step equal torch DDP's; with the heads run
-    before the main head, and after it (zero3's and fsdp's backward then
-    begins, on some ranks, past the forward's last layer)."""
-    return aux_heads(name, heads_last=False) + aux_heads(name, heads_last=True)
+    before the main head, and, for zero3 and fsdp, whose gathers follow the
+    order the layers ran in, after it (their backward then begins, on some
+    ranks, past the forward's last layer)."""
+    last = aux_heads(name, heads_last=True) if name in ("zero3", "fsdp") else []
+    return aux_heads(name, heads_last=False) + last
 
 
 def aux_heads(name, heads_last):
