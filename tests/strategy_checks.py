@@ -94,6 +94,35 @@ def nothing_stays_gathered(name):
     return problems
 
 
+def grads_freed_one_send_later(name):
+    """zero2, zero3, fsdp, offload send each bucket as its grads are final,
+    and free its full grads when the next send starts (Wrapper.sent): after
+    every send, of the buckets sent in this backward, at most the one in
+    flight still holds its grads; none once backward ends."""
+    torch.manual_seed(0)
+    model = wrap(name, gpt_tiny())
+    opt = tiny_zero.STRATEGIES[name][1](model, lr=1e-3)
+    x, y = global_batch_tokens()
+    sent, problems = [], []
+    finish_after = model.sent
+
+    def counted(bucket, *rest):
+        finish_after(bucket, *rest)
+        sent.append(bucket)
+        held = sum(b.grads is not None for b in sent)
+        if held > 1:
+            problems.append(f"{name}: after {len(sent)} sends {held} sent buckets still hold their grads")
+    model.sent = counted
+    for step in range(2):
+        sent.clear()
+        model.backward(model(x, y))
+        if not sent or any(b.grads is not None for b in sent):
+            problems.append(f"{name} step {step}: {len(sent)} sends, grads held after backward")
+        opt.step()
+        opt.zero_grad()
+    return problems
+
+
 def global_batch_tokens():
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)

@@ -13,6 +13,7 @@ from harness import run_checks  # noqa: E402
 ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 GATHERED = ["zero3", "fsdp"]
 SHARDED = ["zero1", "zero2", "zero3", "fsdp", "offload"]
+SENT_IN_BACKWARD = ["zero2", "zero3", "fsdp", "offload"]  # a bucket's collective while backward goes on
 BAD_INPUT = ["unsupported", "mismatch", "meta_on_one_rank", "settings"]
 
 
@@ -22,6 +23,7 @@ def world2():
     plan = [(("comm", n), "comm_per_step", (n,)) for n in ALL]
     plan += [(("gathered", n), "nothing_stays_gathered", (n,)) for n in GATHERED]
     plan += [(("memory", n), "model_state_bytes", (n,)) for n in SHARDED]
+    plan += [(("freed", n), "grads_freed_one_send_later", (n,)) for n in SENT_IN_BACKWARD]
     plan += [(("bad", case), "bad_input", (case,)) for case in BAD_INPUT]
     return run_checks(2, "strategy_checks", plan)
 
@@ -44,6 +46,11 @@ def test_communication_per_step(name, world2):
 @pytest.mark.parametrize("name", GATHERED)
 def test_nothing_stays_gathered(name, world2):
     assert not [p for rank in world2["gathered", name] for p in rank]
+
+
+@pytest.mark.parametrize("name", SENT_IN_BACKWARD)
+def test_a_sent_buckets_grads_are_freed_at_the_next_send(name, world2):
+    assert not [p for rank in world2["freed", name] for p in rank]
 
 
 @pytest.mark.parametrize("name", SHARDED)
