@@ -1,14 +1,15 @@
 """Host time per step: what runs around the math, next to torch's.
 
-    python example/benchmark/host.py --model gpt2 --repeat 5
+    python example/benchmark/host.py --model gpt2
 
 One process, one thread, a world of one (gloo), on the CPU (a GPU is hidden). The model has the blocks of
 --model (gpt2: 12) at width 16, with a 64-token vocabulary, on a batch of
 1 x 8 tokens: its math takes microseconds a layer, so a step's time is
 nearly all Python, autograd and the calls into torch and torch.distributed.
 On a GPU that host time is what a step costs whenever it exceeds the
-kernels' time (docs/benchmarks.md, GPU). Trained in turn, --repeat times,
-from the same weights on the same batch:
+kernels' time (docs/benchmarks.md, GPU). Each run is built once, from the
+same weights, and trained on the same batch in rounds: a block of --steps
+steps of each run in turn, --repeat times:
 
   torch          torch.nn layers, torch.optim.AdamW(fused=True): torch's fastest loop
   torch_ddp      the same, wrapped in torch's DistributedDataParallel
@@ -20,9 +21,10 @@ torch_ddp's and torch_fsdp2's ratios are what torch's own wrappers add to a
 step's host time: tiny_zero's ddp, zero1, zero2 and offload aim below DDP's,
 its zero3 and fsdp below half of FSDP2's.
 
-The table gives each run's best median step (other load only ever adds
-time), its ratio to torch's, and the loss of its last step (the same
-computation throughout, so they agree to float rounding).
+The table gives each run's least block median (other load only ever adds
+time; rounds give every run the machine's quiet moments alike), its ratio
+to torch's, and the loss of its last step (the same computation throughout,
+so they agree to float rounding).
 """
 import argparse
 import os
@@ -56,9 +58,9 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpts = [name for name in CONFIGS if not name.startswith("llama")]
     p.add_argument("--model", default="gpt2", choices=gpts, help="whose blocks (default: gpt2, 12)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per run (default: 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
-    p.add_argument("--repeat", type=int, default=5, help="runs of each, in turn (default: 5)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per block (default: 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each run first (default: 3)")
+    p.add_argument("--repeat", type=int, default=30, help="rounds: a block of each run, in turn (default: 30)")
     return p.parse_args()
 
 
@@ -76,19 +78,25 @@ def build(name, model_name):
     return model, adamw_class(model, **HYPER), model.backward
 
 
-def timed_run(name, x, y, args):
-    """(median step in ms, last loss) of one run."""
-    model, opt, backward = build(name, args.model)
-    times = []
-    for step in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        loss = model(x, y)
-        backward(loss)
-        opt.step()
-        opt.zero_grad()
-        if step >= args.warmup:
+class Run:
+    """One run's model, optimizer and backward, built once and stepped in blocks."""
+
+    def __init__(self, name, args):
+        self.model, self.opt, self.backward = build(name, args.model)
+        self.medians, self.loss = [], None
+
+    def steps(self, x, y, n, timed=True):
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            loss = self.model(x, y)
+            self.backward(loss)
+            self.opt.step()
+            self.opt.zero_grad()
             times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), loss.item()
+        self.loss = loss.item()
+        if timed:
+            self.medians.append(statistics.median(times))
 
 
 def main():
@@ -98,14 +106,19 @@ def main():
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, NARROW["vocab_size"], (1, 9), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    runs = {name: [] for name in [*TORCH_RUNS, "single_device", *tiny_zero.STRATEGIES]}
+    runs = {name: Run(name, args) for name in [*TORCH_RUNS, "single_device", *tiny_zero.STRATEGIES]}
+    for run in runs.values():
+        run.steps(x, y, args.warmup, timed=False)
+    # rounds of a short block each, in turn: every run meets the machine's
+    # quiet moments and its busy ones alike, and the least of its block
+    # medians is its time (other load only ever adds time)
     for _ in range(args.repeat):
-        for name in runs:
-            runs[name].append(timed_run(name, x, y, args))
-    best = {name: min(found) for name, found in runs.items()}
+        for run in runs.values():
+            run.steps(x, y, args.steps)
+    best = {name: (min(run.medians), run.loss) for name, run in runs.items()}
     blocks = CONFIGS[args.model].n_layer
     print(f"--model {args.model}: {blocks} blocks at width 16, 1 x 8 tokens, fp32, 1 thread, world 1; "
-          f"best of {args.repeat} runs of {args.steps} steps each (median step)")
+          f"least of {args.repeat} rounds' block medians ({args.steps} steps a block)")
     print("| run | host ms/step | × torch | loss, last step |")
     print("|---|---:|---:|---:|")
     for name, (ms, loss) in best.items():

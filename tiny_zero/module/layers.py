@@ -114,13 +114,6 @@ class CallbackLayer:
         # call a third of its host time
         if torch.compiler.is_compiling():
             return self._forward_eagerly(x)
-        return self._forward(x)
-
-    @torch.compiler.disable
-    def _forward_eagerly(self, x):
-        return self._forward(x)
-
-    def _forward(self, x):
         # the leaf makes the output require grad (an embedding's indices, a first
         # layer's input do not); nothing that requires grad: no backward recorded.
         # The leaf also under torch.no_grad(), where nothing is recorded: a
@@ -132,6 +125,10 @@ class CallbackLayer:
         if torch._C._are_functorch_transforms_active():
             return LayerFunction.apply(self, x, *inputs)
         return _apply(self, x, *inputs)
+
+    @torch.compiler.disable
+    def _forward_eagerly(self, x):
+        return CallbackLayer.forward(self, x)  # not compiling in here: the eager path above
 
     def autograd_params(self):
         """The parameters that require grad."""
@@ -186,9 +183,10 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
         return tuple(range(-len(self.normalized_shape), 0))
 
     def forward_callback(self, ctx, x):
-        ctx.fused = not ctx.autocast and fused.available(x, len(self.normalized_shape), (self.weight, self.bias))
+        weight, bias = self.weight, self.bias
+        ctx.fused = not ctx.autocast and fused.available(x, len(self.normalized_shape), (weight, bias))
         if ctx.fused:  # the same math in fewer passes (fused.py); the lines below are its reference
-            y, mean, rstd = fused.layer_norm(x, self.weight, self.bias, self.eps)
+            y, mean, rstd = fused.layer_norm(x, weight, bias, self.eps)
             ctx.save_for_backward(x, mean, rstd)
             return y
         dims = self._dims()
@@ -198,41 +196,42 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
         rstd = torch.rsqrt(centred.square().mean(dims, keepdim=True) + self.eps)  # 1 / σ
         ctx.save_for_backward(x, mean, rstd)
         y = centred * rstd  # x̂ = (x - μ) / σ
-        if self.weight is not None:
-            y = y * self.weight.to(y.dtype)  # y = x̂ γ + β
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        if weight is not None:
+            y = y * weight.to(y.dtype)  # y = x̂ γ + β
+        if bias is not None:
+            y = y + bias.to(y.dtype)
         return y if ctx.autocast else y.to(x.dtype)  # autocast runs layer_norm in fp32, output too
 
     def backward_callback(self, ctx, grad_out):
         x, mean, rstd = ctx.saved
+        weight, bias = self.weight, self.bias
         if ctx.fused:
-            needs = (ctx.needs_input_grad[1], trains(ctx, self.weight), trains(ctx, self.bias))
-            grad_x, grad_w, grad_b = fused.layer_norm_backward(grad_out, x, self.weight, self.bias, mean, rstd, needs)
-            self._accumulate(grad_w, grad_b)
+            needs = (ctx.needs_input_grad[1], trains(ctx, weight), trains(ctx, bias))
+            grad_x, grad_w, grad_b = fused.layer_norm_backward(grad_out, x, weight, bias, mean, rstd, needs)
+            self._accumulate(weight, grad_w, bias, grad_b)
             return grad_x
         dims = self._dims()
-        width = self.weight.numel() if self.weight is not None else None
+        width = weight.numel() if weight is not None else None
         xhat = (x.to(mean.dtype) - mean) * rstd
         dy = grad_out.to(mean.dtype)
         grad_w = grad_b = None
-        if trains(ctx, self.weight):
-            grad_w = _rows(dy * xhat, width).sum(0).view_as(self.weight)  # dγ = Σ dy x̂
-        if trains(ctx, self.bias):
-            grad_b = _rows(dy, width).sum(0).view_as(self.bias)  # dβ = Σ dy
-        self._accumulate(grad_w, grad_b)
+        if trains(ctx, weight):
+            grad_w = _rows(dy * xhat, width).sum(0).view_as(weight)  # dγ = Σ dy x̂
+        if trains(ctx, bias):
+            grad_b = _rows(dy, width).sum(0).view_as(bias)  # dβ = Σ dy
+        self._accumulate(weight, grad_w, bias, grad_b)
         if not ctx.needs_input_grad[1]:
             return None
-        g = dy * self.weight.to(dy.dtype) if self.weight is not None else dy
+        g = dy * weight.to(dy.dtype) if weight is not None else dy
         # dx = (g - mean(g) - x̂ mean(g x̂)) / σ
         grad_x = rstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
         return grad_x.to(x.dtype)
 
-    def _accumulate(self, grad_w, grad_b):
+    def _accumulate(self, weight, grad_w, bias, grad_b):
         if grad_w is not None:
-            self.grad_ready(self.weight, grad_w)
+            self.grad_ready(weight, grad_w)
         if grad_b is not None:
-            self.grad_ready(self.bias, grad_b)
+            self.grad_ready(bias, grad_b)
 
 
 class RMSNorm(CallbackLayer, nn.RMSNorm):
