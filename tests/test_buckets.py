@@ -12,8 +12,8 @@ def test_a_bucket_is_flattened_when_sent_and_holds_only_what_was_made_before():
     a, b, c = torch.zeros(3), torch.zeros(2, 2), torch.zeros(5)
     bucket, later = buckets_from_runs([[a, b], [c]], pad_to=4)
     buckets = Buckets([bucket, later], torch.float32, torch.device("cpu"))
-    buckets.used_in_forward([a, b, c])
-    buckets.used_in_forward([b])  # b is used twice: two grad contributions
+    buckets.forward_uses(buckets.indices([a, b, c]), False)
+    buckets.forward_uses(buckets.indices([b]), False)  # b is used twice: two grad contributions
 
     assert buckets.add(b, torch.full((2, 2), 1.0)) == []
     assert bucket.grads is None and set(bucket.parts) == {buckets.index[id(b)]}  # b's part; no flat buffer yet
@@ -30,7 +30,7 @@ def test_clear_drops_the_parts():
     a, b = torch.zeros(2), torch.zeros(2)
     (bucket,) = buckets_from_runs([[a, b]])
     buckets = Buckets([bucket], torch.float32, torch.device("cpu"))
-    buckets.used_in_forward([a, b])
+    buckets.forward_uses(buckets.indices([a, b]), False)
     buckets.add(a, torch.ones(2))
     buckets.clear()
     assert bucket.parts == {} and bucket.grads is None and not buckets.got_grad
@@ -45,8 +45,8 @@ def test_per_parameter_state_is_kept_by_index():
     flat = torch.zeros(6)
     buckets = Buckets([bucket, later], torch.float32, torch.device("cpu"), flat=flat)
     assert buckets.indices([c, frozen, a]) == [2, 0]  # in the order given; a frozen one has none
-    buckets.used_in_forward([a, b, c], recorded=True)
-    buckets.used_in_forward([a], recorded=False)  # a use that is not expected: a has two uses
+    buckets.forward_uses(buckets.indices([a, b, c]), True)
+    buckets.forward_uses(buckets.indices([a]), False)  # a use that is not expected: a has two uses
     assert buckets.add(b, torch.ones(3)) == []
     assert buckets.add(a, torch.full((2,), 2.0)) == []  # a's second use is still to come
     assert buckets.add(a, torch.full((2,), 3.0)) == [bucket]

@@ -1,5 +1,5 @@
-"""Gradient buckets: parameters whose grads travel in one collective, laid out flat (Bucket,
-make_buckets), and which of them may be sent now, in the order their grads become final (Buckets)."""
+"""Gradient buckets: grads that travel in one collective, laid out flat (Bucket, make_buckets),
+and which may be sent now, in the order their grads become final (Buckets)."""
 from itertools import compress
 from operator import gt, or_
 
@@ -8,10 +8,6 @@ import torch
 from .module import has_grad_hook, run_grad_hooks
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # every strategy's default bucket_bytes, as torch DDP's
-
-
-def round_up(n, multiple):
-    return -(-n // multiple) * multiple
 
 
 class Bucket:
@@ -36,7 +32,7 @@ class Bucket:
             self.offsets[p], self.shapes[p] = size, p.shape
             self.strides[p] = contiguous_strides(p.shape)
             size += p.numel()
-        self.numel = round_up(size, pad_to)
+        self.numel = -(-size // pad_to) * pad_to  # rounded up to a multiple of pad_to
         self.start = 0  # where this bucket begins in a flat buffer of all buckets
         self.grads = None
         self.parts = {}
@@ -102,10 +98,8 @@ def buckets_from_runs(runs, pad_to=1):
 
 
 class ParamSet:
-    """A set of the buckets' parameters, one byte each, at its index
-    (Buckets.index): adding, removing and testing a parameter costs one dict
-    lookup by id(), never Tensor.__hash__, a Python function; iterating
-    yields the parameters in the buckets' order."""
+    """A set of the buckets' parameters, a byte at each one's index: no
+    Tensor.__hash__; iterating yields them in the buckets' order."""
 
     def __init__(self, buckets):
         self.index, self.params = buckets.index, buckets.params
@@ -163,8 +157,7 @@ class Buckets:
 
     Each parameter has an index, its place in the buckets' order (params[i];
     index: {id(p): i}); what a step tracks per parameter lives in lists and
-    bytearrays at that index, and where it goes in its bucket is worked out
-    once: a backward's bookkeeping costs no Tensor.__hash__.
+    bytearrays at that index: a backward's bookkeeping costs no Tensor.__hash__.
 
     flat: one buffer that holds every bucket's grads (ddp, zero1: they persist);
     None: a bucket's grads wait apart, as backward makes them (bucket.parts),
@@ -175,9 +168,8 @@ class Buckets:
     average_over: the number of ranks whose sum the strategy sends for. Each
     bucket handed out to be sent is divided by it first, as torch DDP divides
     before it sums: N fp16 grads can overflow in their sum where their average
-    does not. The division comes with the copy that flattens the parts, or,
-    in a flat buffer, in place (its grads may hold earlier averages, which the
-    sum of N divided copies keeps).
+    does not. In a flat buffer the division is in place (its grads may hold
+    earlier averages, which the sum of N divided copies keeps).
     """
 
     def __init__(self, buckets, dtype, device, flat=None, average_over=1):
@@ -209,10 +201,6 @@ class Buckets:
         """The indices of those of `params` in the buckets (frozen ones, another
         stage's, are in none), in their order: what a layer keeps, once."""
         return [i for i in map(self.index.get, map(id, params)) if i is not None]
-
-    def used_in_forward(self, params, recorded=False):
-        """forward_uses, for parameters rather than their indices."""
-        self.forward_uses(self.indices(params), recorded)
 
     def forward_uses(self, indices, recorded):
         """A forward that a backward may follow used the parameters at these
@@ -246,11 +234,7 @@ class Buckets:
         if i is None:
             raise RuntimeError("a grad came for a parameter that was frozen (requires_grad=False) when the model "
                                "was wrapped: tiny_zero reads requires_grad once, when wrapping; set it first")
-        left = self.pending[i]  # use_done(i), inline: once per grad
-        if left > 0:
-            self.pending[i] = left - 1
-            if left == 1:
-                self.waiting[self.home[i]] -= 1
+        left = self.use_done(i)
         if has_grad_hook(param):
             held = self.held.get(i)
             self.held[i] = grad if held is None else held.add_(grad)
@@ -297,13 +281,26 @@ class Buckets:
             place = self.keep_part(i, grad)
         else:
             place = self.grad_views[i]
-            if got[i]:
+            if grad is place:  # the layer wrote it there (fresh_place)
+                pass
+            elif got[i]:
                 place.add_(grad)
             else:  # its place holds zeros (since clear()): a copy is the same sum, with one read less
                 place.copy_(grad)
         got[i] = 1
         self.list[self.home[i]].fresh = True
         return place
+
+    def fresh_place(self, param, dtype):
+        """Where a layer may compute param's grad (out=), sparing put's copy: its
+        view of `flat` while that holds zeros (no grad since clear()); else None."""
+        if self.flat is None or dtype != self.dtype:
+            return None
+        i = self.index.get(id(param))
+        if i is None or self.got_grad.marks[i] or has_grad_hook(param):
+            return None
+        place = self.grad_views[i]
+        return place if place.is_contiguous() else None
 
     def ready(self):
         waiting, k = self.waiting, self.next

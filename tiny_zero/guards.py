@@ -6,6 +6,7 @@ for an attribute of the wrapped module (ForwardedAttributes, mixed into
 Wrapper)."""
 import functools
 import zlib
+from array import array
 
 import torch
 from torch.utils._pytree import tree_leaves  # a foreach op takes lists of grads
@@ -46,11 +47,8 @@ def parameter_hash(buckets, params):
 
 
 def sequence_hash(numbers):
-    """One int64 that tells sequences of small integers apart (their order too)."""
-    h = 0
-    for n in numbers:
-        h = (h * 31 + n + 1) % (1 << 61)
-    return h
+    """An integer that tells sequences of small integers apart (their order too)."""
+    return zlib.crc32(array("q", numbers))
 
 
 class ForwardedAttributes:

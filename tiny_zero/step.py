@@ -96,6 +96,12 @@ class StrategyLayer(ConversionGuard):
         return grad_in
 
 
+    def grad_place(self, ctx, param, dtype):
+        """A grad may be computed straight into its place in the flat buffer
+        (ddp, zero1): not under autocast, whose ops pick their own dtype."""
+        return None if ctx.autocast else self.wrapper.buckets.fresh_place(param, dtype)
+
+
 class LayerMoments:
     """A layer's moments in a step, which a strategy's mixin (its layers.py)
     fills in; here, what a moment does where the mixin leaves it out.

@@ -134,6 +134,12 @@ class CallbackLayer:
         """The parameters that require grad."""
         return [p for p in self._parameters.values() if p is not None and p.requires_grad]
 
+    def grad_place(self, ctx, param, dtype):
+        """Where this backward may compute param's grad (out=), in `dtype`, to
+        hand it to grad_ready there; None: in a new tensor. A strategy may
+        give the place it keeps the grad in (step.py); here, always None."""
+        return None
+
     def grad_ready(self, param, grad):
         """Default sink: add into param.grad, as autograd would. Called only
         for parameters that require grad (a frozen one's grad is never computed)."""
@@ -161,10 +167,11 @@ class Linear(CallbackLayer, nn.Linear):
         weight, bias = self.weight, self.bias
         grad_x = grad_out @ weight if ctx.needs_input_grad[1] else None  # dx = dy W
         dy = _rows(grad_out, self.out_features)
-        if trains(ctx, weight):
-            self.grad_ready(weight, dy.t() @ _rows(x, self.in_features))  # dW = dyᵀ x
-        if trains(ctx, bias):
-            self.grad_ready(bias, dy.sum(0))  # db = Σ dy
+        if trains(ctx, weight):  # dW = dyᵀ x
+            self.grad_ready(weight, torch.mm(dy.t(), _rows(x, self.in_features),
+                                             out=self.grad_place(ctx, weight, dy.dtype)))
+        if trains(ctx, bias):  # db = Σ dy
+            self.grad_ready(bias, torch.sum(dy, 0, out=self.grad_place(ctx, bias, dy.dtype)))
         return grad_x
 
 
@@ -325,7 +332,9 @@ class Embedding(CallbackLayer, nn.Embedding):
         if not trains(ctx, self.weight):
             return None
         (idx,) = ctx.saved
-        grad_w = torch.zeros(self.weight.shape, dtype=grad_out.dtype, device=grad_out.device)
+        grad_w = self.grad_place(ctx, self.weight, grad_out.dtype)  # zeros there, or new ones
+        if grad_w is None:
+            grad_w = torch.zeros(self.weight.shape, dtype=grad_out.dtype, device=grad_out.device)
         grad_w.index_add_(0, idx.reshape(-1), _rows(grad_out, self.embedding_dim))  # scatter-add rows
         if self.padding_idx is not None:
             grad_w[self.padding_idx] = 0  # the padding row never learns
@@ -358,8 +367,9 @@ class Conv1D(CallbackLayer, nn.Module):
         (x,) = ctx.saved
         grad_x = grad_out @ self.weight.t() if ctx.needs_input_grad[1] else None  # dx = dy Wᵀ
         dy = _rows(grad_out, self.nf)
-        if trains(ctx, self.weight):
-            self.grad_ready(self.weight, _rows(x, self.nx).t() @ dy)  # dW = xᵀ dy, [in, out]
-        if trains(ctx, self.bias):
-            self.grad_ready(self.bias, dy.sum(0))  # db = Σ dy
+        weight, bias = self.weight, self.bias
+        if trains(ctx, weight):  # dW = xᵀ dy, [in, out]
+            self.grad_ready(weight, torch.mm(_rows(x, self.nx).t(), dy, out=self.grad_place(ctx, weight, dy.dtype)))
+        if trains(ctx, bias):  # db = Σ dy
+            self.grad_ready(bias, torch.sum(dy, 0, out=self.grad_place(ctx, bias, dy.dtype)))
         return grad_x
