@@ -15,9 +15,10 @@ class Bucket:
     [offsets[p], offsets[p] + p.numel()), the whole padded to numel, a multiple
     of pad_to (so N ranks get equal chunks).
 
-    grads   this rank's grads of these parameters, flat (None: their memory is freed)
-    buffer  without a flat buffer of all buckets: grads' tensor, made at the first
-            grad, its memory freed by resizing it to nothing, grown again at a grad
+    grads   this rank's grads of these parameters, flat (None: none yet)
+    parts   {index: its grad}, by the parameter's index in Buckets: without a flat
+            buffer, the grads made so far, each as backward made it, flattened
+            into grads when the bucket is sent
     fresh   a grad was added since the bucket was last handed out to be sent
     used    a forward recorded for backward used one of its parameters since then
     handle  a collective in flight for it (ddp's all-reduce, sync_params' all-gathers): Buckets.wait
@@ -34,7 +35,7 @@ class Bucket:
         self.numel = -(-size // pad_to) * pad_to  # rounded up to a multiple of pad_to
         self.start = 0  # where this bucket begins in a flat buffer of all buckets
         self.grads = None
-        self.buffer = None
+        self.parts = {}
         self.fresh = False
         self.used = False  # a forward that backward follows used one of its parameters since it was last sent
         self.handle = None  # the strategy's collective in flight for this bucket
@@ -132,6 +133,18 @@ class ParamSet:
         self.marks[:] = bytes(len(self.marks))
 
 
+def packed(bucket):
+    """The elements of a bucket's parameters where they lie one after another
+    from its start, in order (then padding): what one concatenation of their
+    grads fills. None where the layout has gaps."""
+    end = 0
+    for p in bucket.params:
+        if bucket.offsets[p] != end:
+            return None
+        end += bucket.shapes[p].numel()
+    return end
+
+
 class Buckets:
     """A strategy's gradient buckets, and when each may be sent.
 
@@ -147,11 +160,10 @@ class Buckets:
     bytearrays at that index: a backward's bookkeeping costs no Tensor.__hash__.
 
     flat: one buffer that holds every bucket's grads (ddp, zero1: they persist);
-    None: each bucket has a buffer of its own whose memory comes at its first
-    grad and goes when the strategy has sent it (free: zero2, zero3, fsdp,
-    offload), as FSDP2 frees by resizing a storage: the tensor and every
-    parameter's view of it are made once. So a bucket costs memory from its
-    first grad until it goes.
+    None: a bucket's grads wait apart, as backward makes them (bucket.parts),
+    and are flattened into its grads buffer when it is sent, which the
+    strategy drops once the collective is done (zero2, zero3, fsdp, offload).
+    So a bucket costs the grads made so far, as torch's grads do, until it goes.
 
     average_over: the number of ranks whose sum the strategy sends for. Each
     bucket handed out to be sent is divided by it first, as torch DDP divides
@@ -166,18 +178,15 @@ class Buckets:
         self.params = [p for b in buckets for p in b.params]  # index i: params[i]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.home = [k for k, b in enumerate(buckets) for _ in b.params]  # index -> its bucket's place in list
+        self.places = [(b.shapes[p], b.strides[p], b.offsets[p]) for b in buckets for p in b.params]  # own_view's
+        self.packed = {b: packed(b) for b in buckets}  # bucket -> its grads' elements before the padding, or None
         self.dtype, self.device, self.flat = dtype, device, flat
         self.average_over = average_over
-        starts = [0]
-        for b in buckets:
-            starts.append(starts[-1] + len(b.params))
-        self.first = {id(b): start for b, start in zip(buckets, starts)}  # a bucket's first parameter's index
-        for b in buckets:
-            if flat is not None:
+        self.grad_views = None  # with a flat buffer: each parameter's view of it, made once (by index)
+        if flat is not None:
+            for b in buckets:
                 b.grads = b.range(flat)
-        # each parameter's view of its bucket's grads, made once (without flat: at the bucket's first grow)
-        self.grad_views = [buckets[k].view(flat, p) if flat is not None else None
-                           for k, p in zip(self.home, self.params)]
+            self.grad_views = [self.list[k].own_view(self.list[k].grads, p) for k, p in zip(self.home, self.params)]
         self.got_grad = ParamSet(self)  # parameters that got a grad since clear()
         self.expected = ParamSet(self)  # used by forwards recorded for backward, since clear() or the last step
         self.pending = [0] * len(self.params)  # index -> uses whose backward has not run yet
@@ -267,49 +276,31 @@ class Buckets:
 
     def put(self, i, grad):
         """Add `grad` into the place of the parameter at index i; returns what this rank holds there now."""
-        got, bucket = self.got_grad.marks, self.list[self.home[i]]
-        if bucket.grads is None:
-            self.grow(bucket)
-        place = self.grad_views[i]
-        if grad is place:  # the layer wrote it there (fresh_place)
-            pass
-        elif got[i]:
-            place.add_(grad)
-        else:  # its place holds zeros (since clear()): a copy is the same sum, with one read less
-            place.copy_(grad)
+        got = self.got_grad.marks
+        if self.flat is None:
+            place = self.keep_part(i, grad)
+        else:
+            place = self.grad_views[i]
+            if grad is place:  # the layer wrote it there (fresh_place)
+                pass
+            elif got[i]:
+                place.add_(grad)
+            else:  # its place holds zeros (since clear()): a copy is the same sum, with one read less
+                place.copy_(grad)
         got[i] = 1
-        bucket.fresh = True
+        self.list[self.home[i]].fresh = True
         return place
 
     def fresh_place(self, param, dtype):
         """Where a layer may compute param's grad (out=), sparing put's copy: its
-        view of its bucket's grads while that holds zeros (no grad since clear()); else None."""
-        i = self.index.get(id(param))
-        if dtype != self.dtype or i is None or self.got_grad.marks[i] or has_grad_hook(param):
+        view of `flat` while that holds zeros (no grad since clear()); else None."""
+        if self.flat is None or dtype != self.dtype:
             return None
-        bucket = self.list[self.home[i]]
-        if bucket.grads is None:
-            self.grow(bucket)
+        i = self.index.get(id(param))
+        if i is None or self.got_grad.marks[i] or has_grad_hook(param):
+            return None
         place = self.grad_views[i]
         return place if place.is_contiguous() else None
-
-    def grow(self, bucket):
-        """A freed bucket's grads: their memory back, zeros."""
-        buffer = bucket.buffer
-        if buffer is None:  # the first time: the tensor, and the views, which hold from now on
-            buffer = bucket.buffer = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-            first = self.first[id(bucket)]
-            for j, p in enumerate(bucket.params):
-                self.grad_views[first + j] = bucket.own_view(buffer, p)
-        else:
-            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-            buffer.zero_()
-        bucket.grads = buffer
-
-    def free(self, bucket):
-        """The memory of a bucket's grads goes (a strategy's, once it has sent them): the tensor stays."""
-        bucket.grads = None
-        bucket.buffer.untyped_storage().resize_(0)
 
     def ready(self):
         waiting, k = self.waiting, self.next
@@ -327,6 +318,17 @@ class Buckets:
         self.next = len(self.list)
         return self._to_send(rest)
 
+    def keep_part(self, i, grad):
+        bucket = self.list[self.home[i]]
+        part = bucket.parts.get(i)
+        if part is None:  # the grad as backward made it, no copy (a new tensor, in the bucket's dtype)
+            if grad.dtype != self.dtype or not grad.is_contiguous():
+                grad = grad.to(self.dtype, memory_format=torch.contiguous_format)
+            part = bucket.parts[i] = grad
+        else:
+            part.add_(grad)
+        return part
+
     def _to_send(self, buckets):
         """Those used by a recorded forward or given a grad since they were
         last sent, divided by average_over: a bucket with neither is skipped,
@@ -335,11 +337,36 @@ class Buckets:
         sent = [b for b in buckets if b.fresh or b.used]
         for b in sent:
             b.fresh = b.used = False
-            if b.grads is None:  # used, and no grad came here: zeros go
-                self.grow(b)
-            if self.average_over > 1:
+            if self.flat is None:
+                self.flatten(b)
+            elif self.average_over > 1:
                 b.grads.div_(self.average_over)
         return sent
+
+    def flatten(self, bucket):
+        """A bucket about to be sent: its parts divided by average_over, into
+        one flat buffer (zeros where a parameter got no grad, and in the padding)."""
+        filled = self.packed[bucket]
+        if filled is not None and len(bucket.parts) == len(bucket.params):  # every place has a grad: one pass
+            parts = [bucket.parts[i] for i in sorted(bucket.parts)]  # in layout order
+            if filled < bucket.numel:
+                parts.append(torch.zeros(bucket.numel - filled, dtype=self.dtype, device=self.device))
+            bucket.grads = torch._C._nn.flatten_dense_tensors(parts)
+            if self.average_over > 1:
+                bucket.grads.div_(self.average_over)
+            bucket.parts = {}
+            return
+        bucket.grads = grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+        if bucket.parts:
+            torch._foreach_copy_([self.own_view(grads, i) for i in bucket.parts], list(bucket.parts.values()))
+            if self.average_over > 1:
+                grads.div_(self.average_over)  # the same quotients as part / N, in one pass
+        bucket.parts = {}
+
+    def own_view(self, buffer, i):
+        """Bucket.own_view of the parameter at index i, from what was worked out once."""
+        shape, strides, offset = self.places[i]
+        return buffer.as_strided(shape, strides, buffer.storage_offset() + offset)
 
     def wait(self):
         """Wait for every bucket's collective in flight; returns those buckets."""
@@ -364,7 +391,7 @@ class Buckets:
             self.expected.clear()
         for b in self.list:
             b.fresh = False
-            if self.flat is None and b.grads is not None:
-                self.free(b)
+            if self.flat is None:
+                b.grads, b.parts = None, {}
         if self.flat is not None:
             self.flat.zero_()

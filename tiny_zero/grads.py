@@ -116,7 +116,8 @@ class TorchGrads:
         for i in indices:
             bucket = buckets.list[buckets.home[i]]
             if bucket.grads is not None:
-                buckets.grad_views[i].zero_()
+                buckets.own_view(bucket.grads, i).zero_()
+            bucket.parts.pop(i, None)
             if set_to_none:
                 buckets.got_grad.marks[i] = 0
                 buckets.expected.marks[i] = 0

@@ -45,7 +45,7 @@ class FSDP(Gathering, Wrapper):
         self.keep_slices(trainable)  # STRATEGY: 1/N of every tensor
         self.frozen_local = self.keep_slices([u for u in units if not u.params[0].requires_grad])
         self.buckets = Buckets(trainable[::-1], self.reduce_dtype, self.device,  # the last layer's grads first,
-                               average_over=self.world_size)  # STRATEGY: each unit's / N, before it is sent
+                               average_over=self.world_size)  # STRATEGY: each unit's / N, as it is flattened to be sent
         self.shards = self.fp32_shards([self.slices[u] for u in trainable])  # one per unit: each has its own grads
         self.shard_of = dict(zip(trainable, self.shards))
         self.full, self.views = {}, {}  # unit -> its full buffer; [(parameter, its view of it, released)]
@@ -114,7 +114,7 @@ class FSDP(Gathering, Wrapper):
         if handle is not None:
             handle.wait()
         self.average_into(dest, out)
-        self.buckets.free(unit)  # STRATEGY: free the unit's full grads; only this rank's slice of the sum stays
+        unit.grads = None  # STRATEGY: free the unit's full grads; only this rank's slice of the sum stays
 
     after_backward = Wrapper.send_the_rest
 

@@ -361,6 +361,7 @@ def wrapper_held(model, optimizer_state):
     grads = [p.grad for _, p in model.named_params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
     buckets = model.buckets
     temporary = [b.grads for b in buckets if buckets.flat is None and b.grads is not None]
+    temporary += [part for b in buckets for part in b.parts.values()]
     # zero3's and fsdp's gather buffers (model.full: empty while not gathered), counted from the
     # moment a gather grows one, before the gather is stored (in_flight, gathered)
     gathered = list(getattr(model, "full", {}).values())

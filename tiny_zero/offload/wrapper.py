@@ -43,7 +43,7 @@ class ZeroOffload(Wrapper):
         self.flat_params = self.flatten(buckets, self.trainable)
         self.keep_whole(self.frozen)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
-                               average_over=self.world_size)  # STRATEGY: each bucket / N, before it is sent
+                               average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # set by torchrun
         self.cores = max(1, host_cores() // local_ranks) if local_ranks else 1  # this rank's share of the host
@@ -73,7 +73,7 @@ class ZeroOffload(Wrapper):
 
     def finish(self, bucket, handle, out):
         handle.wait()
-        self.buckets.free(bucket)  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
+        bucket.grads = None  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
         dest = self.grads[self.shards[bucket.index]]
         # the step's first average lands in place; a later backward's is added on the host (after_backward)
         land = dest if dest.data_ptr() not in self.averaged else self.host_empty(dest.numel(), dest.dtype)

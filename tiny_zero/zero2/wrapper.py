@@ -31,7 +31,7 @@ class Zero2(Wrapper):
         self.flat_params = self.flatten(buckets, self.trainable)
         self.keep_whole(self.frozen)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
-                               average_over=self.world_size)  # STRATEGY: each bucket / N, before it is sent
+                               average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
         self.shards = self.fp32_shards(chunks)
         self.grad_chunks = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)
@@ -52,7 +52,7 @@ class Zero2(Wrapper):
     def finish(self, bucket, handle, dest, out):
         handle.wait()
         self.average_into(dest, out)
-        self.buckets.free(bucket)  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
+        bucket.grads = None  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
 
     after_backward = Wrapper.send_the_rest
 

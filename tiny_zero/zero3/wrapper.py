@@ -39,7 +39,7 @@ class Zero3(Gathering, Wrapper):
         self.owned_buckets = [b for b in buckets if self.owner[b.params[0]] == self.rank]
         self.owned = self.keep_owned(self.owned_buckets)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,
-                               average_over=self.world_size)  # STRATEGY: each bucket / N, before it is sent
+                               average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         self.shards = self.fp32_shards([self.owned]) if self.owned.numel() else []
         self.unit_buckets = {unit: [b for b in buckets if unit_of[b.params[0]] == unit] for unit in self.unit_params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
@@ -122,7 +122,7 @@ class Zero3(Gathering, Wrapper):
         if bucket in self.owned_start:  # STRATEGY: the owner keeps the average; the others drop the bucket
             start = self.owned_start[bucket]
             self.average_into(self.averaged_grads(self.shards[0])[start:start + bucket.numel], bucket.grads)
-        self.buckets.free(bucket)  # STRATEGY: free the bucket's full grads
+        bucket.grads = None  # STRATEGY: free the bucket's full grads
 
     after_backward = Wrapper.send_the_rest
 
