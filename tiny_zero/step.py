@@ -96,12 +96,6 @@ class StrategyLayer(ConversionGuard):
         return grad_in
 
 
-    def grad_place(self, ctx, param, dtype):
-        """A grad may be computed straight into its place in the flat buffer
-        (ddp, zero1): not under autocast, whose ops pick their own dtype."""
-        return None if ctx.autocast else self.wrapper.buckets.fresh_place(param, dtype)
-
-
 class LayerMoments:
     """A layer's moments in a step, which a strategy's mixin (its layers.py)
     fills in; here, what a moment does where the mixin leaves it out.
@@ -116,6 +110,13 @@ class LayerMoments:
 
     def after_layer(self):
         pass
+
+
+def place_in_flat_grads(layer, ctx, param, dtype):
+    """grad_place of a strategy whose grads persist in one flat buffer (ddp,
+    zero1): a grad is computed straight into its place there while that holds
+    none (Buckets.fresh_place); not under autocast, whose ops pick their dtype."""
+    return None if ctx.autocast else layer.wrapper.buckets.fresh_place(param, dtype)
 
 
 def layer_classes(mixin):

@@ -2,10 +2,12 @@
 flat grad buffer; the reduce-scatter comes after backward (wrapper.py).
 
 Compare with ../ddp/layers.py: the all_reduce during backward is gone."""
-from ..step import layer_classes
+from ..step import layer_classes, place_in_flat_grads
 
 
 class Zero1Layer:
+    grad_place = place_in_flat_grads  # each grad computed in its place in flat_grads
+
     def grad_ready(self, param, grad):
         wrapper = self.wrapper
         wrapper.buckets.add(param, grad, send=False)  # STRATEGY: full grads in flat_grads, no send yet
