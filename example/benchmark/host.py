@@ -18,8 +18,8 @@ steps of each run in turn, --repeat times:
   ddp ... fsdp   each of tiny_zero.STRATEGIES, wrapped at world size 1
 
 torch_ddp's and torch_fsdp2's ratios are what torch's own wrappers add to a
-step's host time: tiny_zero's ddp, zero1, zero2 and offload aim below DDP's,
-its zero3 and fsdp below half of FSDP2's.
+step's host time. tiny_zero's single_device, ddp, zero1, zero2 and offload
+aim at 1.30x torch at most, its zero3 and fsdp at 1.60x, below half of FSDP2's.
 
 The table gives each run's least block median (other load only ever adds
 time; rounds give every run the machine's quiet moments alike), its ratio
