@@ -102,3 +102,18 @@ class Holding:
         else:
             for g in self.grads.values():
                 g.zero_()
+
+
+class HeldInChunks:
+    """grad_attr, pieces and gather_full of a strategy whose every rank holds
+    the N-th chunk of each bucket as model.shards[bucket.index] (zero1, zero2,
+    offload): p.grad a ShardedGrad, the pieces and the full values the chunks'."""
+
+    def grad_attr(self, param):
+        return self.sharded_grad(param)
+
+    def pieces(self):
+        return self.chunk_pieces()
+
+    def gather_full(self):
+        return self.gather_chunks()

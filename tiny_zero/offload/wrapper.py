@@ -29,11 +29,12 @@ import torch
 
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
+from ..holding import HeldInChunks
 from ..step import Wrapper
 from .layers import LAYER_CLASSES
 
 
-class ZeroOffload(Wrapper):
+class ZeroOffload(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_full of the chunks
     layer_classes = LAYER_CLASSES
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
@@ -125,15 +126,6 @@ class ZeroOffload(Wrapper):
     def clear_grads(self, set_to_none):
         with self.host_threads():
             self.host_grads.zero_()  # the buckets' full grads: Buckets.clear drops them
-
-    def grad_attr(self, param):
-        return self.sharded_grad(param)
-
-    def pieces(self):
-        return self.chunk_pieces()
-
-    def gather_full(self):
-        return self.gather_chunks()
 
     # ------------------------------------------------------------ the host
 

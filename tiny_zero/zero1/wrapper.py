@@ -19,11 +19,12 @@ import torch
 
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
+from ..holding import HeldInChunks
 from ..step import Wrapper
 from .layers import LAYER_CLASSES
 
 
-class Zero1(Wrapper):
+class Zero1(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_full of the chunks
     layer_classes = LAYER_CLASSES
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
@@ -86,12 +87,3 @@ class Zero1(Wrapper):
 
     def clear_grads(self, set_to_none):
         self.holds_average = self.scaled = False  # Buckets.clear zeroes flat_grads, averages included
-
-    def grad_attr(self, param):
-        return self.sharded_grad(param)
-
-    def pieces(self):
-        return self.chunk_pieces()
-
-    def gather_full(self):
-        return self.gather_chunks()
