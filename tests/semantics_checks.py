@@ -1,6 +1,7 @@
 """Worker functions for tests/test_semantics.py: torch's training-loop habits,
 on every strategy, against single-process torch (nn layers, torch.optim.AdamW,
 the concatenated batch). Each returns a list of failures."""
+import copy
 from contextlib import nullcontext
 from itertools import groupby
 
@@ -266,7 +267,8 @@ def grads_as_torch_sees_them(name):
     """After backward, p.grad is set exactly for the parameters that got a
     grad. ddp: it is the averaged grad (torch DDP's), and torch's own
     clip_grad_norm_ works on it. Sharded: using it raises a clear error.
-    model.clip_grad_norm_ returns a tensor equal to torch's norm."""
+    model.clip_grad_norm_ returns a tensor equal to torch's norm. Then one
+    p.grad is replaced (replaced_grad_stepped)."""
     failures, where = [], f"{name} world {dist.get_world_size()}"
     ref, _ = make_torch(groups=False)
     model, opt = make_tiny(name, groups=False)
@@ -292,7 +294,29 @@ def grads_as_torch_sees_them(name):
         got = model.clip_grad_norm_(1e9)
     if not isinstance(got, torch.Tensor) or abs(got.item() - expected.item()) > ATOL + RTOL * expected.item():
         failures.append(f"{where}: grad norm {got} vs torch {expected}")
-    return failures
+    return failures + replaced_grad_stepped(name)
+
+
+def replaced_grad_stepped(name):
+    """A p.grad replaced by another tensor after backward, in a model whose
+    every parameter got a grad: ddp steps with it, as torch does; a strategy
+    that keeps averaged grads sharded refuses it."""
+    where = f"{name} world {dist.get_world_size()}: a replaced p.grad"
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, WIDTH))
+    wrapper_cls, opt_cls = tiny_zero.STRATEGIES[name]
+    model = wrapper_cls(copy.deepcopy(ref))
+    opt, ref_opt = opt_cls(model, lr=LR, weight_decay=WD), torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))  # the same rows on every rank
+    for m in (ref, model):
+        m(x).square().mean().backward()
+    replaced = torch.full_like(ref[0].weight, 0.5)
+    ref[0].weight.grad, model.module[0].weight.grad = replaced.clone(), replaced.clone()
+    if name != "ddp":
+        return refused(opt.step, "was replaced", where)
+    ref_opt.step()
+    opt.step()
+    return differs_from_torch(where, model, ref)
 
 
 def fp16_loss_backward(name):

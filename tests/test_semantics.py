@@ -6,7 +6,7 @@ embedding, given by parameter or by name) and a LambdaLR warm-up, with
 eps=1 (the update is then about lr·g: any wrong average shows); two backward
 passes without no_sync, and a forgotten zero_grad, accumulate as torch does.
 At world 2: add_param_group, zero_grad(set_to_none=False), state dicts of the
-model and the optimizer, p.grad and torch's clip_grad_norm_, fp16 with a plain
+model and the optimizer, p.grad (a replaced one too) and torch's clip_grad_norm_, fp16 with a plain
 loss.backward(), autocast and torch.compile, grad hooks on the parameters and torch's
 MemTracker as under torch DDP, a head whose output reaches the loss on
 some ranks only as under torch DDP with find_unused_parameters, torch's amsgrad and maximize refused, model.module.state_dict() and

@@ -35,6 +35,13 @@ class TorchGrads:
             shown = self.shown[i] = self.grad_attr(self.buckets.params[i])
         return shown
 
+    def all_shown(self):
+        """shown, every entry made: what each trainable parameter's p.grad shows."""
+        if any(map(is_, self.shown, repeat(None))):  # before the first backward's end only
+            for i in range(len(self.shown)):
+                self.shown_at(i)
+        return self.shown
+
     def zero_grad(self, set_to_none=True, params=None):
         """As torch's: p.grad None (or zero), and the wrapper's grads with it,
         for every parameter or those in `params` (an optimizer's: others keep

@@ -44,8 +44,9 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         self.index_of = {id(p): i for i, p in enumerate(params)}
         # Step counts. fp32, bf16: Python ints, as every step the host takes happens. fp16: a skip is
         # decided on the device, so the counts are a tensor there (where the shards are), advanced by
-        # (1 - found_inf); the kernel reads its run's. `stamps`: a hash of the steps each parameter was
-        # stepped in (equal stamps, equal counts), which groups the runs without reading the counts.
+        # (1 - found_inf); the kernel reads its run's. `stamps` (fp16; and loaded counts): a hash of the
+        # steps each parameter was stepped in (equal stamps, equal counts), which groups the runs without
+        # reading the counts.
         self.counts = [0] * len(params)
         self.stamps = [0] * len(params)
         device = model.shards[0].device if model.shards else model.device
@@ -137,7 +138,9 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
 
     def _update(self, stepping, grad_scale, found_inf):
         index_of, group_index = self.index_of, self.update_group_index()
-        stepped = [i for i in (index_of[id(p)] for p in stepping) if group_index[i] is not None]
+        stepped = list(map(index_of.__getitem__, map(id, stepping)))  # in C: a step's longest loop
+        if None in group_index:  # some of the model's parameters are in no group of this optimizer
+            stepped = [i for i in stepped if group_index[i] is not None]
         runs = self.runs(stepped)
         self.advance(stepped, found_inf)
         for shard_index, lo, hi, group, first in runs:
@@ -155,14 +158,14 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         """The step counts of the parameters `stepped` (indices) go up by one,
         before their update reads them; under fp16 on the device, where the
         step was not skipped, in one op."""
-        stamps, step = self.stamps, self.model.steps
-        for i in stepped:
-            stamps[i] = (stamps[i] * 31 + step + 1) % (1 << 61)
         if self.device_counts is None:
             counts = self.counts
             for i in stepped:
                 counts[i] += 1
             return
+        stamps, step = self.stamps, self.model.steps  # runs tells counts apart by these (it reads counts in fp32)
+        for i in stepped:
+            stamps[i] = (stamps[i] * 31 + step + 1) % (1 << 61)
         key = tuple(stepped)
         if key not in self.masks:
             mask = torch.zeros(len(self.counts))

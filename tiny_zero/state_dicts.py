@@ -315,7 +315,7 @@ class OptimizerStateDicts:
             if id(key) in shard_index:
                 state[f"shard{shard_index[id(key)]}"] = {k: v.clone() for k, v in value.items()}
         for i, (name, _) in enumerate(model.named_params):
-            if self.stamps[i]:
+            if self.counts[i] or self.stamps[i]:  # stepped (fp32, bf16: counts; fp16: stamps), or loaded
                 state[name] = {"step": torch.tensor(float(self.count(i)))}
         return {"state": state, "param_groups": self.named_param_groups(), "skipped_steps": self.skipped_steps,
                 "made_by": self.made_by()}

@@ -51,12 +51,13 @@ first (agreements.agree) and raise the same error.
 """
 from contextlib import contextmanager
 from itertools import compress
+from operator import is_
 
 import torch
 import torch.nn as nn
 
 from . import agreements, comm
-from .grads import TorchGrads
+from .grads import GRAD, TorchGrads
 from .guards import ForwardedAttributes, parameter_hash, sequence_hash
 from .holding import Holding
 from .module import expects_backward, in_backward_pass, recorded
@@ -250,10 +251,9 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, Fo
         if self.averaging:
             self.after_backward()  # moment: the strategy waits, and averages into model.grads
             got = self.buckets.got_grad
-            for i in compress(range(len(self.shown)), got.marks):
-                p = self.buckets.params[i]
+            for p, shown in compress(zip(self.buckets.params, self.all_shown()), got.marks):
                 if p.grad is None:
-                    p.grad = self.shown_at(i)
+                    p.grad = shown
             self.showing.update(got)
         self.buckets.end_backward()
 
@@ -264,18 +264,21 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, Fo
         parameters were `written` in place (param_writes) since the last step."""
         self.forget_cleared_grads()
         self.check_requires_grad()
-        buckets, got = self.buckets, self.buckets.got_grad.marks
-        stepping = []
-        for i in self.trainable_indices:
-            p = buckets.params[i]
-            grad = p.grad
-            if grad is None:
-                continue
-            if not got[i]:
-                self.refuse_foreign_grad(p)
-            if grad is not self.shown_at(i):
-                self.take_assigned_grad(self.name_of[p], p)
-            stepping.append(p)
+        buckets, got, shown = self.buckets, self.buckets.got_grad.marks, self.all_shown()
+        if all(got) and all(map(is_, map(GRAD, buckets.params), shown)):  # the usual, in C: every grad as backward left it
+            stepping = [buckets.params[i] for i in self.trainable_indices]
+        else:
+            stepping = []
+            for i in self.trainable_indices:
+                p = buckets.params[i]
+                grad = p.grad
+                if grad is None:
+                    continue
+                if not got[i]:
+                    self.refuse_foreign_grad(p)
+                if grad is not shown[i]:
+                    self.take_assigned_grad(self.name_of[p], p)
+                stepping.append(p)
         for p in self.frozen:
             if p.grad is not None:
                 self.refuse_foreign_grad(p)
