@@ -121,6 +121,8 @@ def table(figures):
 
 
 if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     figures = measure()
     for name, files in figures.items():
         print(name, followed(files), "skipped:", sorted(set(files) - set(followed(files))))

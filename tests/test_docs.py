@@ -220,8 +220,30 @@ def help_text_of(key):
 _HELP = {}
 
 
+# `--help` of many scripts in one process: torch is imported once, not once a script
+_HELP_ALL = r"""
+import contextlib, io, json, runpy, sys
+out = {}
+for key in sys.argv[1:]:
+    sys.argv, text, code = [key, "--help"], io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            if key == "torchrun":
+                runpy.run_module("torch.distributed.run", run_name="__main__")
+            else:
+                runpy.run_path(key, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except Exception as e:
+        code = repr(e)
+    out[key] = text.getvalue() if code in (0, None) else None
+print("HELP-JSON " + json.dumps(out))
+"""
+
+
 def _help_texts():
-    """`--help` of every script the docs run (and torchrun's), in parallel."""
+    """`--help` of every script the docs run (and torchrun's): all in one
+    process; a script whose --help fails there is run again on its own."""
     if _HELP:
         return _HELP
     wanted = {"torchrun"}
@@ -230,15 +252,16 @@ def _help_texts():
             parsed = parse(command)
             if parsed and parsed[1] and parsed[1].endswith(".py") and (ROOT / parsed[1]).is_file():
                 wanted.add(parsed[1])
-    procs = {}
+    done = subprocess.run([sys.executable, "-c", _HELP_ALL, *sorted(wanted)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("HELP-JSON ")]
+    _HELP.update(json.loads(lines[-1][len("HELP-JSON "):]) if lines else {})
     for key in sorted(wanted):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--help"] if key == "torchrun" \
-            else [sys.executable, key, "--help"]
-        procs[key] = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
-    for key, proc in procs.items():
-        out, _ = proc.communicate(timeout=120)
-        _HELP[key] = out if proc.returncode == 0 else None
+        if _HELP.get(key) is None:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--help"] if key == "torchrun" \
+                else [sys.executable, key, "--help"]
+            alone = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+            _HELP[key] = alone.stdout + alone.stderr if alone.returncode == 0 else None
     return _HELP
 
 
