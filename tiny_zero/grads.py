@@ -26,21 +26,17 @@ class TorchGrads:
         raise NotImplementedError
 
     def shown_grad(self, p):
-        return self.shown_at(self.buckets.index[id(p)])
-
-    def shown_at(self, i):
-        """What p.grad shows for the trainable parameter at index i, made once."""
-        shown = self.shown[i]
-        if shown is None:
-            shown = self.shown[i] = self.grad_attr(self.buckets.params[i])
-        return shown
+        return self.all_shown()[self.buckets.index[id(p)]]
 
     def all_shown(self):
-        """shown, every entry made: what each trainable parameter's p.grad shows."""
-        if any(map(is_, self.shown, repeat(None))):  # before the first backward's end only
-            for i in range(len(self.shown)):
-                self.shown_at(i)
-        return self.shown
+        """What each trainable parameter's p.grad shows once it has a grad, by
+        index (shown), every entry made once."""
+        shown = self.shown
+        if any(map(is_, shown, repeat(None))):  # before the first backward's end only
+            for i, p in enumerate(self.buckets.params):
+                if shown[i] is None:
+                    shown[i] = self.grad_attr(p)
+        return shown
 
     def zero_grad(self, set_to_none=True, params=None):
         """As torch's: p.grad None (or zero), and the wrapper's grads with it,
