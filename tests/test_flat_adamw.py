@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import tiny_zero.optim.adamw as adamw_module
+import tiny_zero.optim.drop_in as adamw_module
 from tiny_zero.optim import AdamW
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.05)

@@ -3,7 +3,7 @@ torch.optim.AdamW(fused=True) runs): one vectorised pass over the parameter,
 the grad and the moments, on torch's intra-op threads. It is the fastest
 AdamW torch has on the CPU, so ZeRO-Offload steps on the host with it.
 
-Same arguments and semantics as torch_adamw_update_ (reference.py). The
+Same arguments and semantics as torch_adamw_update_ (adamw.py). The
 kernel rounds two lines of the math in another order (v·β₂ + ((1−β₂)·g)·g,
 and p + (−step_size·m)/denom where the reference has p + (−step_size)·(m/denom)),
 so some elements (2 in 100 on an AVX2 CPU, fewer with AVX-512) end one fp32 ulp away from
@@ -12,7 +12,7 @@ it agrees bit for bit (tests/test_offload.py).
 """
 import torch
 
-from .reference import scales
+from .adamw import scales
 
 # Elements per launch where the grad needs an fp32 copy (a low-precision grad,
 # grad_scale != 1) or param_out is written: the copy stays small (no fresh

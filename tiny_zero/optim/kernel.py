@@ -83,7 +83,7 @@ def split(x):
 
 def triton_adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
                          grad_scale=1.0, param_out=None, found_inf=None):
-    """Launch the fused kernel; same arguments and semantics as torch_adamw_update_ (reference.py)."""
+    """Launch the fused kernel; same arguments and semantics as torch_adamw_update_ (adamw.py)."""
     n = param.numel()
     if n == 0:
         return
