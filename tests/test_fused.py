@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tiny_zero.module import fused  # noqa: E402
+from tiny_zero.module import fused, layers, more_layers  # noqa: E402
 
 
 def reference(x, weight, bias, eps, rms, dy):
@@ -38,15 +38,15 @@ def fast(x, weight, bias, eps, rms, dy, via_triton=False):
     """The fast path; via_triton: the Triton kernels themselves (CPU tensors
     run them in Triton's interpreter)."""
     if via_triton:
-        y, mean, rstd = fused._launch_forward(x, weight, bias, eps, rms)
+        y, mean, rstd = fused.launch_forward(x, weight, bias, eps, rms)
         needs = (True, weight is not None, bias is not None)
-        return (y, *fused._launch_backward(dy, x, weight, bias, None if rms else mean, rstd, needs, rms))
+        return (y, *fused.launch_backward(dy, x, weight, bias, None if rms else mean, rstd, needs, rms))
     if rms:
-        y, rstd = fused.rms_norm(x, weight, eps)
-        dx, dw = fused.rms_norm_backward(dy, x, weight, rstd, (True, weight is not None))
+        y, rstd = more_layers.rms_norm(x, weight, eps)
+        dx, dw = more_layers.rms_norm_backward(dy, x, weight, rstd, (True, weight is not None))
         return y, dx, dw, None
-    y, mean, rstd = fused.layer_norm(x, weight, bias, eps)
-    dx, dw, db = fused.layer_norm_backward(dy, x, weight, bias, mean, rstd,
+    y, mean, rstd = layers.layer_norm(x, weight, bias, eps)
+    dx, dw, db = layers.layer_norm_backward(dy, x, weight, bias, mean, rstd,
                                            (True, weight is not None, bias is not None))
     return y, dx, dw, db
 
@@ -75,7 +75,7 @@ def test_layer_norm_on_cpu_is_the_reference(shape, affine):
 
 def test_layers_choose_the_fast_path_and_match_the_reference():
     """A tiny_zero LayerNorm takes the fast path on fp32 CPU input and gives
-    the reference's output and grads (fused.ENABLED = False); bf16 input keeps
+    the reference's output and grads (layers.FUSED_NORMS = False); bf16 input keeps
     the reference (fp32 statistics)."""
     from tiny_zero.module import LayerNorm
     torch.manual_seed(0)
@@ -86,7 +86,7 @@ def test_layers_choose_the_fast_path_and_match_the_reference():
     x = torch.randn(5, 6, 24)
     results = []
     for enabled in (True, False):
-        fused.ENABLED = enabled
+        layers.FUSED_NORMS = enabled
         try:
             xi = x.clone().requires_grad_()
             out = layer(xi)
@@ -94,17 +94,17 @@ def test_layers_choose_the_fast_path_and_match_the_reference():
             results.append((out, xi.grad, layer.weight.grad, layer.bias.grad))
             layer.zero_grad()
         finally:
-            fused.ENABLED = True
+            layers.FUSED_NORMS = True
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert fused.available(x, 1, (layer.weight,)) and not fused.available(x.bfloat16(), 1, (layer.weight,))
+    assert layers.fused_norms_apply(x, 1, (layer.weight,)) and not layers.fused_norms_apply(x.bfloat16(), 1, (layer.weight,))
 
 
 def test_the_fast_path_is_chosen_where_it_applies():
     x = torch.randn(3, 8)
-    assert fused.available(x, 1) and not fused.available(x, 2)  # LayerNorm over one dim
-    assert not fused.available(x, 1, rms=True)  # RMSNorm on the CPU: the hand-written form
-    assert not fused.available(torch.randn(2, fused.MAX_ROW + 1), 1)
+    assert layers.fused_norms_apply(x, 1) and not layers.fused_norms_apply(x, 2)  # LayerNorm over one dim
+    assert not layers.fused_norms_apply(x, 1, rms=True)  # RMSNorm on the CPU: the hand-written form
+    assert not layers.fused_norms_apply(torch.randn(2, fused.MAX_ROW + 1), 1)
 
 
 INTERPRETED = """
@@ -133,12 +133,12 @@ def rms_variants_in_the_interpreter():
         with torch.no_grad():
             layer.weight.normal_()
         x = torch.randn(70, 37, requires_grad=True)
-        fused.ENABLED = False
+        layers.FUSED_NORMS = False
         out = layer(x)
         out.square().sum().backward()
         want = (out.detach(), x.grad, layer.weight.grad)
-        y, rstd = fused._launch_forward(x.detach(), layer.weight.detach(), None, 1e-6, True, cast_first, offset)[::2]
-        dx, dw, _ = fused._launch_backward(2 * want[0], x.detach(), layer.weight.detach(), None, None, rstd,
+        y, rstd = fused.launch_forward(x.detach(), layer.weight.detach(), None, 1e-6, True, cast_first, offset)[::2]
+        dx, dw, _ = fused.launch_backward(2 * want[0], x.detach(), layer.weight.detach(), None, None, rstd,
                                            (True, True, False), True, cast_first, offset)
         for name, a, b in zip(("y", "dx", "dw"), (y, dx, dw), want):
             if not torch.allclose(a, b, rtol=1e-5, atol=1e-5):
@@ -174,7 +174,7 @@ def test_rms_norm_variants_on_cuda_in_bf16():
         x = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16)
         results = []
         for enabled in (True, False):
-            fused.ENABLED = enabled
+            layers.FUSED_NORMS = enabled
             try:
                 xi = x.clone().requires_grad_()
                 out = layer(xi)
@@ -182,6 +182,6 @@ def test_rms_norm_variants_on_cuda_in_bf16():
                 results.append((out.float(), xi.grad.float(), layer.weight.grad.float()))
                 layer.zero_grad()
             finally:
-                fused.ENABLED = True
+                layers.FUSED_NORMS = True
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

@@ -1,83 +1,28 @@
-"""The norm layers' fast path: the same math as their hand-written forward and
-backward (layers.py), in fewer passes over memory.
-
-    layer_norm / layer_norm_backward   CUDA: Triton kernels; CPU: torch's own
-                                       native_layer_norm and its backward
-                                       (fp32 input: for bf16 it keeps bf16
-                                       statistics, the reference fp32 ones)
-    rms_norm / rms_norm_backward       CUDA: Triton kernels (on the CPU torch
-                                       has no fused backward: the layers keep
-                                       their hand-written form there), with
-                                       RMSNorm's variants: Hugging Face's cast
-                                       of x̂ before the scale, Gemma's 1 + w
+"""The norms' Triton kernels: the same math as LayerNorm's and RMSNorm's
+hand-written forward and backward (layers.py), in fewer passes over memory,
+used on CUDA where layers.fused_norms_apply says so (layers.py also picks
+torch's own native_layer_norm on the CPU).
 
 Statistics are in fp32 whatever the input dtype, as in the reference. One
-Triton program normalises one row (the last dimension, at most 64K elements);
-in backward each program also sums the weight's (and bias's) grad over a
-block of rows, and those partial sums are added up by torch afterwards, the
-weight's and the bias's in one sum and one cast.
-
-`ENABLED` turns the fast path off everywhere (tests compare the two paths).
-Triton is imported on first use, so this module works where it is missing.
+Triton program normalises one row (the last dimension, at most MAX_ROW
+elements); in backward each program also sums the weight's (and bias's)
+grad over a block of rows, and those partial sums are added up by torch
+afterwards, the weight's and the bias's in one sum and one cast. Triton is
+imported on first use, so this module works where it is missing.
 """
 import contextlib
 import functools
 
 import torch
 
-ENABLED = True
 MAX_ROW = 65536  # elements of one row a Triton program holds at once
 ROWS_PER_PROGRAM = 64  # rows a backward program walks, summing their weight grads
-
-
-def available(x, normalized_ndim, params=(), rms=False):
-    """The fast path applies: enabled, one normalised dimension, a row that
-    fits a program, a floating input whose dtype the parameters share (the
-    reference handles the promotions of mixed dtypes); on the CPU, LayerNorm only."""
-    if not ENABLED or normalized_ndim != 1 or not x.is_floating_point() or x.shape[-1] > MAX_ROW:
-        return False
-    for p in params:
-        if p is not None and p.dtype != x.dtype:
-            return False
-    if x.is_cuda:
-        return _triton() is not None
-    return not rms and x.dtype == torch.float32  # torch's CPU kernel keeps bf16 statistics for bf16 input
-
-
-# ---------------------------------------------------------------- the interface
-
-def layer_norm(x, weight, bias, eps):
-    """(y, mean, rstd): y as x's dtype; mean and rstd fp32, one per row."""
-    if x.is_cuda:
-        return _launch_forward(x, weight, bias, eps, rms=False)
-    return torch.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
-
-
-def layer_norm_backward(grad_out, x, weight, bias, mean, rstd, needs):
-    """(dx, dweight, dbias); `needs` says which of the three to compute."""
-    if x.is_cuda:
-        return _launch_backward(grad_out, x, weight, bias, mean, rstd, needs, rms=False)
-    return torch.ops.aten.native_layer_norm_backward(grad_out, x, [x.shape[-1]], mean, rstd, weight, bias,
-                                                     list(needs))
-
-
-def rms_norm(x, weight, eps, cast_first=False, offset=0.0):
-    """(y, rstd), y = x̂ (w + offset), or (w + offset) cast(x̂) with cast_first: CUDA only."""
-    y, _, rstd = _launch_forward(x, weight, None, eps, rms=True, cast_first=cast_first, offset=offset)
-    return y, rstd
-
-
-def rms_norm_backward(grad_out, x, weight, rstd, needs, cast_first=False, offset=0.0):
-    """(dx, dweight): CUDA only."""
-    dx, dw, _ = _launch_backward(grad_out, x, weight, None, None, rstd, (*needs, False), rms=True,
-                                 cast_first=cast_first, offset=offset)
-    return dx, dw
 
 
 # ---------------------------------------------------------------- Triton
 
 @functools.lru_cache(maxsize=None)
-def _triton():
+def kernels():
     """The kernels, compiled on first use; None where triton cannot be imported."""
     try:
         import triton
@@ -148,8 +93,8 @@ def _triton():
     return triton, forward, backward
 
 
-def _launch_forward(x, weight, bias, eps, rms, cast_first=False, offset=0.0):
-    triton, forward, _ = _triton()
+def launch_forward(x, weight, bias, eps, rms, cast_first=False, offset=0.0):
+    triton, forward, _ = kernels()
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()
     rows = x2.shape[0]
@@ -163,8 +108,8 @@ def _launch_forward(x, weight, bias, eps, rms, cast_first=False, offset=0.0):
     return y.view(x.shape), mean.view(*x.shape[:-1], 1), rstd.view(*x.shape[:-1], 1)
 
 
-def _launch_backward(grad_out, x, weight, bias, mean, rstd, needs, rms, cast_first=False, offset=0.0):
-    triton, _, backward = _triton()
+def launch_backward(grad_out, x, weight, bias, mean, rstd, needs, rms, cast_first=False, offset=0.0):
+    triton, _, backward = kernels()
     n = x.shape[-1]
     x2, dy = x.reshape(-1, n).contiguous(), grad_out.reshape(-1, n).contiguous()
     rows = x2.shape[0]

@@ -1,5 +1,5 @@
-"""Linear, LayerNorm, RMSNorm, Embedding and Conv1D with their backward
-written out by hand.
+"""Linear, LayerNorm and Embedding with their backward written out by hand
+(RMSNorm and Conv1D: more_layers.py).
 
 Each layer subclasses the torch layer it replaces (same constructor, same
 parameter names, so state_dicts interchange; Conv1D, which torch lacks, has
@@ -20,7 +20,6 @@ layers share is the Function's input instead: it makes the output require
 grad where a parameter does, and it tells a backward that fills p.grad
 (loss.backward()) from torch.autograd.grad, which does not.
 """
-import math
 
 import torch
 import torch.nn as nn
@@ -62,6 +61,45 @@ def fills_param_grads():
     """In a layer's backward: True under loss.backward(), False under
     torch.autograd.grad or backward(inputs=...)."""
     return torch._C._will_engine_execute_node(_LEAF_NODE)
+
+
+# ---------------------------------------------------------------- the norms' fast path
+# The same math as the hand-written LayerNorm and RMSNorm below, in fewer passes:
+#   layer_norm / layer_norm_backward   CUDA: Triton kernels (fused.py); CPU: torch's own
+#                                      native_layer_norm and its backward (fp32 input: for
+#                                      bf16 it keeps bf16 statistics, the reference fp32 ones)
+#   rms_norm / rms_norm_backward       more_layers.py (RMSNorm)
+
+FUSED_NORMS = True  # False: the hand-written form everywhere (tests compare the two)
+
+
+def fused_norms_apply(x, normalized_ndim, params=(), rms=False):
+    """The fast path applies: enabled, one normalised dimension, a row that
+    fits a program, a floating input whose dtype the parameters share (the
+    reference handles the promotions of mixed dtypes); on the CPU, LayerNorm only."""
+    if not FUSED_NORMS or normalized_ndim != 1 or not x.is_floating_point() or x.shape[-1] > fused.MAX_ROW:
+        return False
+    for p in params:
+        if p is not None and p.dtype != x.dtype:
+            return False
+    if x.is_cuda:
+        return fused.kernels() is not None
+    return not rms and x.dtype == torch.float32  # torch's CPU kernel keeps bf16 statistics for bf16 input
+
+
+def layer_norm(x, weight, bias, eps):
+    """(y, mean, rstd): y as x's dtype; mean and rstd fp32, one per row."""
+    if x.is_cuda:
+        return fused.launch_forward(x, weight, bias, eps, rms=False)
+    return torch.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
+
+
+def layer_norm_backward(grad_out, x, weight, bias, mean, rstd, needs):
+    """(dx, dweight, dbias); `needs` says which of the three to compute."""
+    if x.is_cuda:
+        return fused.launch_backward(grad_out, x, weight, bias, mean, rstd, needs, rms=False)
+    return torch.ops.aten.native_layer_norm_backward(grad_out, x, [x.shape[-1]], mean, rstd, weight, bias,
+                                                     list(needs))
 
 
 class LayerFunction(torch.autograd.Function):
@@ -152,7 +190,7 @@ class CallbackLayer:
             param.grad += grad
 
 
-def _rows(t, width):
+def as_rows(t, width):
     """View any number of leading dims as one: (..., width) -> (rows, width)."""
     return t.reshape(-1, width)
 
@@ -166,9 +204,9 @@ class Linear(CallbackLayer, nn.Linear):
         (x,) = ctx.saved
         weight, bias = self.weight, self.bias
         grad_x = grad_out @ weight if ctx.needs_input_grad[1] else None  # dx = dy W
-        dy = _rows(grad_out, self.out_features)
+        dy = as_rows(grad_out, self.out_features)
         if trains(ctx, weight):  # dW = dyᵀ x
-            self.grad_ready(weight, torch.mm(dy.t(), _rows(x, self.in_features),
+            self.grad_ready(weight, torch.mm(dy.t(), as_rows(x, self.in_features),
                                              out=self.grad_place(ctx, weight, dy.dtype)))
         if trains(ctx, bias):  # db = Σ dy
             self.grad_ready(bias, torch.sum(dy, 0, out=self.grad_place(ctx, bias, dy.dtype)))
@@ -181,7 +219,7 @@ def trains(ctx, param):
     return param is not None and param.requires_grad and ctx.param_grads
 
 
-def _stats_dtype(x):
+def stats_dtype(x):
     return torch.promote_types(x.dtype, torch.float32)
 
 
@@ -191,13 +229,13 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
 
     def forward_callback(self, ctx, x):
         weight, bias = self.weight, self.bias
-        ctx.fused = not ctx.autocast and fused.available(x, len(self.normalized_shape), (weight, bias))
+        ctx.fused = not ctx.autocast and fused_norms_apply(x, len(self.normalized_shape), (weight, bias))
         if ctx.fused:  # the same math in fewer passes (fused.py); the lines below are its reference
-            y, mean, rstd = fused.layer_norm(x, weight, bias, self.eps)
+            y, mean, rstd = layer_norm(x, weight, bias, self.eps)
             ctx.save_for_backward(x, mean, rstd)
             return y
         dims = self._dims()
-        x32 = x.to(_stats_dtype(x))  # statistics in fp32 (or fp64) for every input dtype
+        x32 = x.to(stats_dtype(x))  # statistics in fp32 (or fp64) for every input dtype
         mean = x32.mean(dims, keepdim=True)
         centred = x32 - mean
         rstd = torch.rsqrt(centred.square().mean(dims, keepdim=True) + self.eps)  # 1 / σ
@@ -214,7 +252,7 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
         weight, bias = self.weight, self.bias
         if ctx.fused:
             needs = (ctx.needs_input_grad[1], trains(ctx, weight), trains(ctx, bias))
-            grad_x, grad_w, grad_b = fused.layer_norm_backward(grad_out, x, weight, bias, mean, rstd, needs)
+            grad_x, grad_w, grad_b = layer_norm_backward(grad_out, x, weight, bias, mean, rstd, needs)
             self._accumulate(weight, grad_w, bias, grad_b)
             return grad_x
         dims = self._dims()
@@ -223,9 +261,9 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
         dy = grad_out.to(mean.dtype)
         grad_w = grad_b = None
         if trains(ctx, weight):
-            grad_w = _rows(dy * xhat, width).sum(0).view_as(weight)  # dγ = Σ dy x̂
+            grad_w = as_rows(dy * xhat, width).sum(0).view_as(weight)  # dγ = Σ dy x̂
         if trains(ctx, bias):
-            grad_b = _rows(dy, width).sum(0).view_as(bias)  # dβ = Σ dy
+            grad_b = as_rows(dy, width).sum(0).view_as(bias)  # dβ = Σ dy
         self._accumulate(weight, grad_w, bias, grad_b)
         if not ctx.needs_input_grad[1]:
             return None
@@ -239,85 +277,6 @@ class LayerNorm(CallbackLayer, nn.LayerNorm):
             self.grad_ready(weight, grad_w)
         if grad_b is not None:
             self.grad_ready(bias, grad_b)
-
-
-class RMSNorm(CallbackLayer, nn.RMSNorm):
-    """y = x̂ w with x̂ = x / rms(x), rms(x) = sqrt(mean(x²) + eps), statistics in fp32.
-
-    Implementations differ in where the result is cast back to the input
-    dtype (bf16/fp16 only) and in the scale; three attributes follow the layer
-    being replaced (tiny_zero/module/swap.py sets them on adapted layers):
-      cast_before_scale  False: torch's nn.RMSNorm, x̂ w in fp32, then the cast.
-                         True: the RMSNorm of Hugging Face's Llama, Qwen and
-                         Mistral, w · cast(x̂), whose product may promote (an
-                         fp32 w times a bf16 x̂ is fp32).
-      cast_to_weight_dtype  with cast_before_scale, T5's LayerNorm: the cast
-                         is to w's dtype where w is fp16 or bf16, and none
-                         otherwise (x̂ stays fp32), whatever the input's dtype.
-      weight_offset      1.0 for Gemma's RMSNorm, which scales x̂ by 1 + w.
-    """
-    cast_before_scale = False
-    cast_to_weight_dtype = False
-    weight_offset = 0.0
-
-    def _dims(self):
-        return tuple(range(-len(self.normalized_shape), 0))
-
-    def _cast(self, xhat, x):
-        """cast(x̂) of cast_before_scale: to the input's dtype, or as T5 casts."""
-        if not self.cast_to_weight_dtype:
-            return xhat.to(x.dtype)
-        return xhat.to(self.weight.dtype) if self.weight.dtype in (torch.float16, torch.bfloat16) else xhat
-
-    def _scale(self, dtype):
-        """What x̂ is multiplied by, in `dtype`: w, or Gemma's 1 + w (added in fp32)."""
-        return self.weight.to(dtype) + self.weight_offset
-
-    def forward_callback(self, ctx, x):
-        x32 = x.to(_stats_dtype(x))  # statistics in fp32 (or fp64) for every input dtype
-        eps = self.eps if self.eps is not None else torch.finfo(x32.dtype).eps  # torch's default
-        ctx.fused = not ctx.autocast and fused.available(x, len(self.normalized_shape), (self.weight,), rms=True)
-        if ctx.fused:  # the same math in fewer passes (fused.py, CUDA); the lines below are its reference
-            y, rstd = fused.rms_norm(x, self.weight, eps, self.cast_before_scale, self.weight_offset)
-            ctx.save_for_backward(x, rstd)
-            return y
-        rstd = torch.rsqrt(x32.pow(2).mean(self._dims(), keepdim=True) + eps)  # 1 / rms
-        ctx.save_for_backward(x, rstd)
-        xhat = x32 * rstd
-        if self.weight is None:
-            return xhat.to(x.dtype)
-        if self.cast_before_scale:
-            return self.weight * self._cast(xhat, x)
-        return (xhat * self._scale(xhat.dtype)).to(x.dtype)
-
-    def backward_callback(self, ctx, grad_out):
-        x, rstd = ctx.saved
-        if ctx.fused:
-            needs = (ctx.needs_input_grad[1], trains(ctx, self.weight))
-            grad_x, grad_w = fused.rms_norm_backward(grad_out, x, self.weight, rstd, needs, self.cast_before_scale,
-                                                     self.weight_offset)
-            if grad_w is not None:
-                self.grad_ready(self.weight, grad_w)
-            return grad_x
-        xhat = x.to(rstd.dtype) * rstd
-        width = math.prod(self.normalized_shape)
-        if self.weight is None:
-            g = grad_out.to(rstd.dtype)
-        elif self.cast_before_scale:  # y = w h with h = cast(x̂)
-            h = self._cast(xhat, x)
-            if trains(ctx, self.weight):  # dw = Σ dy h
-                self.grad_ready(self.weight, _rows(grad_out * h, width).sum(0).view_as(self.weight))
-            g = (grad_out * self.weight).to(h.dtype).to(rstd.dtype)  # dh = dy w, rounded to h's dtype as autograd does
-        else:  # y = cast(x̂ s) with s = w + offset in fp32
-            dy = grad_out.to(rstd.dtype)
-            if trains(ctx, self.weight):  # dw = Σ dy x̂
-                self.grad_ready(self.weight, _rows(dy * xhat, width).sum(0).view_as(self.weight))
-            g = dy * self._scale(dy.dtype)
-        if not ctx.needs_input_grad[1]:
-            return None
-        # g = dL/dx̂; x̂ = x / rms(x) moves with every x_j through rms: dx = (g - x̂ mean(g x̂)) / rms
-        grad_x = rstd * (g - xhat * (g * xhat).mean(self._dims(), keepdim=True))
-        return grad_x.to(x.dtype)
 
 
 class Embedding(CallbackLayer, nn.Embedding):
@@ -335,41 +294,8 @@ class Embedding(CallbackLayer, nn.Embedding):
         grad_w = self.grad_place(ctx, self.weight, grad_out.dtype)  # zeros there, or new ones
         if grad_w is None:
             grad_w = torch.zeros(self.weight.shape, dtype=grad_out.dtype, device=grad_out.device)
-        grad_w.index_add_(0, idx.reshape(-1), _rows(grad_out, self.embedding_dim))  # scatter-add rows
+        grad_w.index_add_(0, idx.reshape(-1), as_rows(grad_out, self.embedding_dim))  # scatter-add rows
         if self.padding_idx is not None:
             grad_w[self.padding_idx] = 0  # the padding row never learns
         self.grad_ready(self.weight, grad_w)
         return None  # indices have no grad
-
-
-class Conv1D(CallbackLayer, nn.Module):
-    """transformers' Conv1D, GPT-2's attention and MLP projection: y = x W + b
-    with W stored as [in, out] (nx inputs, nf outputs), the transpose of
-    nn.Linear's. Its constructor and state_dict are transformers', so GPT-2
-    checkpoints load either way (tiny_zero does not import transformers)."""
-
-    def __init__(self, nf, nx):
-        super().__init__()
-        self.nf, self.nx = nf, nx
-        self.weight = nn.Parameter(torch.empty(nx, nf))
-        self.bias = nn.Parameter(torch.zeros(nf))
-        nn.init.normal_(self.weight, std=0.02)
-
-    def extra_repr(self):
-        return f"nf={self.nf}, nx={self.nx}"
-
-    def forward_callback(self, ctx, x):
-        ctx.save_for_backward(x)
-        y = torch.addmm(self.bias, _rows(x, self.nx), self.weight)  # y = b + x W, one fused op
-        return y.view(*x.shape[:-1], self.nf)
-
-    def backward_callback(self, ctx, grad_out):
-        (x,) = ctx.saved
-        grad_x = grad_out @ self.weight.t() if ctx.needs_input_grad[1] else None  # dx = dy Wᵀ
-        dy = _rows(grad_out, self.nf)
-        weight, bias = self.weight, self.bias
-        if trains(ctx, weight):  # dW = xᵀ dy, [in, out]
-            self.grad_ready(weight, torch.mm(_rows(x, self.nx).t(), dy, out=self.grad_place(ctx, weight, dy.dtype)))
-        if trains(ctx, bias):  # db = Σ dy
-            self.grad_ready(bias, torch.sum(dy, 0, out=self.grad_place(ctx, bias, dy.dtype)))
-        return grad_x

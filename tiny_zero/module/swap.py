@@ -28,7 +28,8 @@ import functools
 
 import torch.nn as nn
 
-from .layers import Conv1D, Embedding, LayerNorm, Linear, RMSNorm
+from .layers import Embedding, LayerNorm, Linear
+from .more_layers import Conv1D, RMSNorm
 
 TORCH_LAYERS = {nn.Linear: Linear, nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm, nn.Embedding: Embedding}
 DEFAULT_CLASSES = {**TORCH_LAYERS, Conv1D: Conv1D}  # Conv1D, which torch lacks, is its own kind
