@@ -9,14 +9,13 @@ optimizer divides it out again (inside the AdamW kernel, with clipping).
 Floating-point inputs are cast to the parameters' dtype as they enter the
 model (cast_floating_inputs).
 
-ClipAndScale, mixed into Wrapper: clip_grad_norm_ (its all-reduce of the
-grads' squares), the loss scale's way into backward (ScaleGrad) and out in
-the step, and fp16's overflow check (its all-reduce).
+LossScaling, mixed into Wrapper: the loss scale's way into backward
+(ScaleGrad). Its way out in the step, and fp16's overflow check (its
+all-reduce), are in optimizer.py's ClipAndScale, with the clip.
 """
 import torch
 from torch.utils._pytree import tree_map_only
 
-from . import agreements, comm
 
 DTYPES = {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -118,16 +117,9 @@ class LossScaler:
                        self.tensor.device)
 
 
-class ClipAndScale:
-    """Wrapper's clipping and fp16 loss scaling."""
-
-    def check_scale_entered(self):
-        """fp16, as a backward pass begins: it starts from the model's output, where the scale enters."""
-        if self.loss_scaler is not None and not self.scale_entered:
-            raise RuntimeError("fp16: this backward does not start from the model's output, where the loss scale "
-                               "enters (a loss from a submodule's output, model.module.transformer(x)?): its grads "
-                               "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
-                               "loss from model(...) (or model.module(...))")
+class LossScaling:
+    """Wrapper's fp16 loss scale: how it enters backward (ScaleGrad) and
+    what the step divides out (grad_scale, optimizer.py)."""
 
     def scale_output(self, module, args, out):
         """fp16, a forward hook of the module: grads are scaled from where they
@@ -138,54 +130,6 @@ class ClipAndScale:
         return torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: ScaleGrad.apply(t, self) if t.requires_grad else t, out)
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm):
-        """Clip the grads to a global 2-norm of at most max_norm, as
-        torch.nn.utils.clip_grad_norm_ on the unsharded model; returns the norm
-        before clipping (a tensor; of the unscaled grads under fp16). The
-        coefficient is applied inside the optimizer's kernel, with the loss
-        scale, in the pass that reads the grads. It stays on the device, as
-        torch's: the host never waits for the norm."""
-        comm.where = "clip_grad_norm_"
-        # every rank clips, by the same max_norm (a rank alone would send the norm's all-reduce alone, or
-        # under ddp, which sends none, step its replica apart); checked before the rank's next collective
-        agreements.agree("clip_grad_norm_", wait=False, max_norm=agreements.value_hash(float(max_norm)))
-        self.forget_cleared_grads()
-        self.apply_clip()  # a second clip sees the grads of the first, as torch's
-        total_norm = self.grad_square_sum().sqrt()
-        if self.loss_scaler is not None:
-            total_norm = total_norm / self.scale_tensor()
-        self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        return total_norm
-
-    @torch.no_grad()
-    def apply_clip(self):
-        """Multiply the clip coefficient into model.grads, and forget it. The
-        optimizer's kernel applies it as it reads the grads, and it stays
-        pending after the step (a second step uses the clipped grads, as in
-        torch); whatever else reads or adds to the grads after a clip (a
-        second clip, a backward before zero_grad) gets them as torch's
-        clip_grad_norm_ leaves them: clipped, at the cost of this one pass."""
-        if self.clip_coef is not None:
-            for g in self.grads.values():
-                g.mul_(self.clip_coef)
-            self.clip_coef = None
-
-    def grad_square_sum(self):
-        """The sum of the squares of the model's averaged grads, every element
-        counted once (a scalar fp32 tensor, the same on every rank)."""
-        square_sum = self.local_square_sum()
-        if not self.grads_replicated:
-            comm.all_reduce(square_sum)  # each rank holds a disjoint part
-        return square_sum
-
-    def local_square_sum(self):
-        """This rank's part of grad_square_sum(): the squares of the grads it holds."""
-        square_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in self.grads.values():
-            square_sum += g.float().square().sum()
-        return square_sum
-
     @property
     def loss_scale(self):
         """fp16's loss scale now, a number (a host read: for the user, never the step)."""
@@ -194,34 +138,6 @@ class ClipAndScale:
     def scale_tensor(self):
         """fp16: the loss scale, a 0-d fp32 tensor on the device (LossScaler)."""
         return self.loss_scaler.on(self.device)
-
-    def grad_scale(self):
-        """What the optimizer multiplies the grads by: unscale and clip (a
-        number, or a 0-d tensor on the grads' device under fp16 or after a clip)."""
-        if self.loss_scaler is not None:
-            scale = self.scale_tensor().reciprocal()
-            return scale if self.clip_coef is None else self.clip_coef * scale
-        return 1.0 if self.clip_coef is None else self.clip_coef
-
-    def where_the_step_runs(self, *values):
-        """The step's scale and skip, on the device of the shards it steps:
-        where they are made (offload moves them to the host)."""
-        return values
-
-    @torch.no_grad()
-    def found_overflow(self):
-        """fp16: did any rank get an inf/nan grad? A 0-d fp32 tensor on the
-        device, 1.0 or 0.0, after one all-reduce, so that every rank skips
-        alike; the host never reads it (the kernel does: found_inf). None
-        without fp16."""
-        if self.loss_scaler is None:
-            return None
-        bad = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in self.grads.values():
-            bad += (~torch.isfinite(g)).sum()
-        comm.all_reduce(bad)
-        return (bad > 0).float()
-
 
 
 class ScaleGrad(torch.autograd.Function):

@@ -62,7 +62,8 @@ from .guards import ForwardedAttributes, parameter_hash, sequence_hash
 from .holding import Holding
 from .module import expects_backward, in_backward_pass, recorded
 from .module import layer_classes as module_layer_classes
-from .precision import ClipAndScale
+from .optimizer import ClipAndScale
+from .precision import LossScaling
 from .state_dicts import WrapperStateDicts
 from .wrapping import ConversionGuard, Wrapping, check_backward_once
 
@@ -127,7 +128,7 @@ def layer_classes(mixin):
     return module_layer_classes(StrategyLayer, mixin, LayerMoments, name_from=mixin)
 
 
-class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, WrapperStateDicts, ForwardedAttributes, nn.Module):
+class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperStateDicts, ForwardedAttributes, nn.Module):
     """What every strategy's wrapper shares. A strategy sets layer_classes and
     fills in the moments below (and zero_grad's clear_grads, p.grad's
     grad_attr, the state dicts' pieces and gather_full); the backward's
