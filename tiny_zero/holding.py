@@ -1,8 +1,8 @@
-"""Helpers that lay out what a rank holds, used by some strategies only:
-parameters' values when wrapping (value, set_data, flatten, keep_whole),
-released parameters (released), fp32 masters (fp32_shards), and the
-averaged grads in model.grads (reduce_target, average_into, averaged_grads,
-drop_grads). Mixed into Wrapper."""
+"""Helpers that lay out what a rank holds, when wrapping, used by some
+strategies only: parameters' values (value, set_data, flatten, keep_whole),
+released parameters (released), fp32 masters (fp32_shards). Mixed into
+Wrapper. (What the step does with the averaged grads in model.grads is in
+step.py.)"""
 import torch
 
 from . import comm
@@ -71,37 +71,6 @@ class Holding:
             value = self.value(name_of[p], p)
             self.broadcast_from_first_replica(value)
             self.set_data(p, value)
-
-    def reduce_target(self, dest):
-        """Where a collective should write the sum for `dest` (part of
-        model.grads): dest itself if it holds nothing this step, else a new buffer."""
-        return dest if dest.data_ptr() not in self.averaged else torch.empty_like(dest)
-
-    def average_into(self, dest, average):
-        """dest = average (a collective's sum of grads divided by N, Buckets)
-        the first time in a step, dest += average after: the averaged grads
-        add up over backward passes, as p.grad does in torch. Where
-        reduce_target let the collective write into dest, it is there already."""
-        if dest.data_ptr() in self.averaged:
-            dest.add_(average)
-        elif average is not dest:
-            dest.copy_(average)
-        self.averaged.add(dest.data_ptr())
-
-    def averaged_grads(self, shard):
-        """model.grads[shard] of a strategy that makes them as grads come
-        (zero3, fsdp): made at a step's first send, freed by zero_grad (drop_grads)."""
-        if shard not in self.grads:
-            self.grads[shard] = torch.zeros_like(shard, dtype=self.reduce_dtype)
-        return self.grads[shard]
-
-    def drop_grads(self, set_to_none):
-        """zero_grad of model.grads made at a step's first reduce: freed, or zeroed."""
-        if set_to_none:
-            self.grads = {}  # the next reduce makes them again
-        else:
-            for g in self.grads.values():
-                g.zero_()
 
 
 class HeldInChunks:

@@ -22,7 +22,7 @@ One training step, its moments (in the folder) and every collective it sends:
     (backward ends)   backward_done: after_backward (send the rest, wait,
                       average into model.grads), then p.grad is set
     clip_grad_norm_   the all-reduce of the grads' squared norm, where a rank
-                      holds only part of them (precision.py)
+                      holds only part of them (optimizer.py)
     opt.step()        optimizer.py: free_gathered (zero3, fsdp: nothing stays
                       gathered); stepping, the ranks' agreement on the
                       parameters that step; fp16: the all-reduce of the
@@ -132,10 +132,11 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
     """What every strategy's wrapper shares. A strategy sets layer_classes and
     fills in the moments below (and zero_grad's clear_grads, p.grad's
     grad_attr, the state dicts' pieces and gather_full); the backward's
-    bookkeeping, no_sync and the step's agreement are here. Apart: the
-    wrap-time setup in wrapping.py, p.grad's conventions in grads.py, what a
-    rank holds in holding.py, clipping and fp16 in precision.py, state dicts
-    in state_dicts.py, model.<name> in guards.py."""
+    bookkeeping, no_sync, model.grads and the step's agreement are here.
+    Apart: the wrap-time setup in wrapping.py, p.grad's conventions in
+    grads.py, what a rank holds in holding.py, the clip in optimizer.py,
+    fp16's scale in precision.py, state dicts in state_dicts.py,
+    model.<name> in guards.py."""
 
     layer_classes = None  # {torch layer class: this strategy's layer class}, from layer_classes(<Name>Layer)
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
@@ -177,6 +178,39 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
             self.send(bucket)
         while self.sending:
             self.finish(*self.sending.pop(0))
+
+    # model.grads, where a strategy's finish puts the averages (zero2, zero3, fsdp)
+
+    def reduce_target(self, dest):
+        """Where a collective should write the sum for `dest` (part of
+        model.grads): dest itself if it holds nothing this step, else a new buffer."""
+        return dest if dest.data_ptr() not in self.averaged else torch.empty_like(dest)
+
+    def average_into(self, dest, average):
+        """dest = average (a collective's sum of grads divided by N, Buckets)
+        the first time in a step, dest += average after: the averaged grads
+        add up over backward passes, as p.grad does in torch. Where
+        reduce_target let the collective write into dest, it is there already."""
+        if dest.data_ptr() in self.averaged:
+            dest.add_(average)
+        elif average is not dest:
+            dest.copy_(average)
+        self.averaged.add(dest.data_ptr())
+
+    def averaged_grads(self, shard):
+        """model.grads[shard] of a strategy that makes them as grads come
+        (zero3, fsdp): made at a step's first send, freed by zero_grad (drop_grads)."""
+        if shard not in self.grads:
+            self.grads[shard] = torch.zeros_like(shard, dtype=self.reduce_dtype)
+        return self.grads[shard]
+
+    def drop_grads(self, set_to_none):
+        """zero_grad of model.grads made at a step's first reduce: freed, or zeroed."""
+        if set_to_none:
+            self.grads = {}  # the next reduce makes them again
+        else:
+            for g in self.grads.values():
+                g.zero_()
 
     def free_gathered(self):
         """Leave nothing gathered or in flight that a later use could mistake
