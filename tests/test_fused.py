@@ -1,5 +1,6 @@
-"""The norm layers' fast path (tiny_zero/module/fused.py) equals their
-hand-written math: outputs and input, weight and bias grads. On the CPU,
+"""The norm layers' fast path (layers.fused_norms_apply, layer_norm and
+more_layers.rms_norm; the Triton kernels in tiny_zero/module/fused.py)
+equals their hand-written math: outputs and input, weight and bias grads. On the CPU,
 torch's fused LayerNorm; the Triton kernels in Triton's interpreter (small
 sizes) and, where there is a GPU, compiled on CUDA."""
 import json
@@ -18,7 +19,7 @@ from tiny_zero.module import fused, layers, more_layers  # noqa: E402
 
 
 def reference(x, weight, bias, eps, rms, dy):
-    """The hand-written math of layers.py, autograd for the grads."""
+    """The hand-written math of layers.py and more_layers.py, autograd for the grads."""
     x = x.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_() if weight is not None else None
     b = bias.detach().clone().requires_grad_() if bias is not None else None

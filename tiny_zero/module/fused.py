@@ -1,5 +1,5 @@
 """The norms' Triton kernels: the same math as LayerNorm's and RMSNorm's
-hand-written forward and backward (layers.py), in fewer passes over memory,
+hand-written forward and backward (layers.py, more_layers.py), in fewer passes over memory,
 used on CUDA where layers.fused_norms_apply says so (layers.py also picks
 torch's own native_layer_norm on the CPU).
 
@@ -122,7 +122,7 @@ def launch_backward(grad_out, x, weight, bias, mean, rstd, needs, rms, cast_firs
                               CAST_FIRST=cast_first, ROWS=ROWS_PER_PROGRAM, BLOCK=triton.next_power_of_2(n))
     dw = db = None
     if weight is not None and (needs[1] or needs[2]):  # one sum over the programs and one cast, for both
-        sums = parts.sum(1).to(weight.dtype)  # the bias shares the weight's dtype (available())
+        sums = parts.sum(1).to(weight.dtype)  # the bias shares the weight's dtype (layers.fused_norms_apply)
         dw = sums[0] if needs[1] else None
         db = sums[1] if needs[2] and bias is not None else None
     elif needs[2] and bias is not None:

@@ -2,8 +2,7 @@
 (RMSNorm and Conv1D: more_layers.py).
 
 Each layer subclasses the torch layer it replaces (same constructor, same
-parameter names, so state_dicts interchange; Conv1D, which torch lacks, has
-the constructor and layout of transformers' Conv1D) and runs one
+parameter names, so state_dicts interchange) and runs one
 autograd.Function:
 
     forward  -> layer.forward_callback(ctx, x)      returns the output
@@ -64,7 +63,7 @@ def fills_param_grads():
 
 
 # ---------------------------------------------------------------- the norms' fast path
-# The same math as the hand-written LayerNorm and RMSNorm below, in fewer passes:
+# The same math as the hand-written LayerNorm below (and RMSNorm, more_layers.py), in fewer passes:
 #   layer_norm / layer_norm_backward   CUDA: Triton kernels (fused.py); CPU: torch's own
 #                                      native_layer_norm and its backward (fp32 input: for
 #                                      bf16 it keeps bf16 statistics, the reference fp32 ones)

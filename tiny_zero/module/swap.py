@@ -135,7 +135,7 @@ def unsupported_message(found):
         lines.append(f"  {qualified_name(cls)}: {count(len(paths), 'module')}, e.g. '{paths[0]}'{own_forward(cls)}")
     lines += [f"Parameters must live in {kinds} (or a subclass that keeps its forward), or, matched by name, "
               f"in transformers' {foreign}.",
-              "To add a layer: write its forward and backward as in tiny_zero/module/layers.py and list it "
+              "To add a layer: write its forward and backward as in tiny_zero/module/more_layers.py and list it "
               "in tiny_zero/module/swap.py, in TORCH_LAYERS, or in FOREIGN for another library's class "
               "(docs/huggingface.md, \"Adding a layer\")."]
     return "\n".join(lines)
