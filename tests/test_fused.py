@@ -98,7 +98,8 @@ def test_layers_choose_the_fast_path_and_match_the_reference():
             layers.FUSED_NORMS = True
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert layers.fused_norms_apply(x, 1, (layer.weight,)) and not layers.fused_norms_apply(x.bfloat16(), 1, (layer.weight,))
+    apply = layers.fused_norms_apply
+    assert apply(x, 1, (layer.weight,)) and not apply(x.bfloat16(), 1, (layer.weight,))
 
 
 def test_the_fast_path_is_chosen_where_it_applies():

@@ -1,6 +1,7 @@
 """Custom autograd layers: the extension point of every strategy."""
 from .hooks import has_grad_hook, run_grad_hooks
-from .layers import CallbackLayer, Embedding, LayerFunction, LayerNorm, Linear, expects_backward, in_backward_pass, recorded
+from .layers import (CallbackLayer, Embedding, LayerFunction, LayerNorm, Linear, expects_backward, in_backward_pass,
+                     recorded)
 from .more_layers import Conv1D, RMSNorm
 from .swap import DEFAULT_CLASSES, FOREIGN, check_supported, layer_classes, layer_kind, swap_layers
 

@@ -1,7 +1,7 @@
 """The norms' Triton kernels: the same math as LayerNorm's and RMSNorm's
-hand-written forward and backward (layers.py, more_layers.py), in fewer passes over memory,
-used on CUDA where layers.fused_norms_apply says so (layers.py also picks
-torch's own native_layer_norm on the CPU).
+hand-written forward and backward (layers.py, more_layers.py), in fewer
+passes over memory, used on CUDA where layers.fused_norms_apply says so
+(layers.py also picks torch's own native_layer_norm on the CPU).
 
 Statistics are in fp32 whatever the input dtype, as in the reference. One
 Triton program normalises one row (the last dimension, at most MAX_ROW
