@@ -217,8 +217,10 @@ def add_param_group_and_set_to_none_false(name):
 def state_dicts(name):
     """model.state_dict() is full, keyed as torch DDP's, on every rank; it
     loads into a fresh wrapper of the same strategy and into plain torch. The
-    optimizer's state_dict loads back where it was made, and refuses another
-    rank's (but for ddp, whose state is the same on every rank)."""
+    optimizer's state_dict holds each parameter's step count by its name
+    (opt.state[p] is empty) and the moments by shard; it loads back where it
+    was made, and refuses another rank's (but for ddp, whose state is the
+    same on every rank)."""
     failures, where = [], f"{name} world {dist.get_world_size()}"
     model, opt = make_tiny(name)
     for step in range(2):
@@ -243,7 +245,15 @@ def state_dicts(name):
     plain.load_state_dict(sd)
     if any(not torch.equal(v, full[k]) for k, v in plain.state_dict().items()):
         failures.append(f"{where}: plain torch did not get the values")
-    # the optimizer: its own state loads back and training goes on identically
+    # the optimizer: the step counts by parameter name (those stepped every step: 2), the moments by shard
+    counts = {k: float(v["step"]) for k, v in opt.state_dict()["state"].items() if "step" in v}
+    every_step = [k for k in ("emb.weight", "fc1.weight", "fc2.weight") if k in counts]
+    if not every_step or any(counts[k] != 2 for k in every_step) or opt.state[model.module.fc1.weight]:
+        failures.append(f"{where}: opt.state_dict()['state'] has step counts {counts}, and "
+                        f"opt.state[fc1.weight] {dict(opt.state[model.module.fc1.weight])}")
+    if model.shards and not any("exp_avg" in opt.state[shard] for shard in model.shards):
+        failures.append(f"{where}: no opt.state[model.shards[i]] holds an exp_avg")
+    # its own state loads back and training goes on identically
     fresh_opt.load_state_dict(opt.state_dict())
     for m, o in ((model, opt), (fresh, fresh_opt)):
         run_loop(m, o, "plain", 2, True)
@@ -823,7 +833,12 @@ def clipping_as_torch(name):
         for m, o, clip in ((ref, ref_opt, lambda: nn.utils.clip_grad_norm_(ref.parameters(), 0.3)),
                            (model, opt, lambda: model.clip_grad_norm_(0.3))):
             run_loop(m, o, "plain", step, distributed=m is model)
-            norms += [clip(), clip()]  # the second: of the clipped grads
+            norms.append(clip())
+            if step == 1 and name == "ddp":  # p.grad shows the grads: an edit in place sees them clipped
+                for p in (ref if m is ref else model.module).parameters():
+                    if p.grad is not None:
+                        p.grad.add_(0.01)  # not a multiple: it does not commute with the clip
+            norms.append(clip())  # the second: of the clipped grads
             if step == 2:
                 run_loop(m, o, "plain", step + 10, distributed=m is model)  # added to the clipped grads
             o.step()

@@ -36,7 +36,14 @@ class TorchGrads:
             for i, p in enumerate(self.buckets.params):
                 if shown[i] is None:
                     shown[i] = self.grad_attr(p)
+            self.shown_whole = not all(isinstance(g, ShardedGrad) for g in shown)
         return shown
+
+    def grads_shown_whole(self):
+        """Whether some p.grad is a view of model.grads itself (ddp; pipeline
+        and tensor where the dtypes agree), which the user may edit in place."""
+        self.all_shown()
+        return self.shown_whole
 
     def zero_grad(self, set_to_none=True, params=None):
         """As torch's: p.grad None (or zero), and the wrapper's grads with it,

@@ -34,8 +34,10 @@ class ClipAndScale:
         torch.nn.utils.clip_grad_norm_ on the unsharded model; returns the norm
         before clipping (a tensor; of the unscaled grads under fp16). The
         coefficient is applied inside the optimizer's kernel, with the loss
-        scale, in the pass that reads the grads. It stays on the device, as
-        torch's: the host never waits for the norm."""
+        scale, in the pass that reads the grads, where p.grad cannot be read
+        (sharded grads); where p.grad shows the grads (ddp), they are clipped
+        here, as torch's. It stays on the device, as torch's: the host never
+        waits for the norm."""
         comm.where = "clip_grad_norm_"
         # every rank clips, by the same max_norm (a rank alone would send the norm's all-reduce alone, or
         # under ddp, which sends none, step its replica apart); checked before the rank's next collective
@@ -46,6 +48,8 @@ class ClipAndScale:
         if self.loss_scaler is not None:
             total_norm = total_norm / self.scale_tensor()
         self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        if self.grads_shown_whole():
+            self.apply_clip()  # p.grad is model.grads (ddp): clipped now, as torch leaves it, for what edits it next
         return total_norm
 
     @torch.no_grad()

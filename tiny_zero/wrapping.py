@@ -78,6 +78,7 @@ class Wrapping:
         self.released_views = {}  # parameter -> its released() view of that zero, made once
         # by a trainable parameter's index in self.buckets (set with it, below):
         self.shown = []  # index -> what its p.grad shows (grad_attr), made once (None: not yet)
+        self.shown_whole = False  # some p.grad is a view of model.grads (all_shown)
         self.showing = None  # ParamSet: the parameters whose p.grad backward_done set, until zero_grad
         self.assigned = {}  # index -> (its p.grad, version) set by the user, as a backward began
         self.versions = param_versions(self.named_params)  # in-place writes move them (adopt_param_writes)
