@@ -665,6 +665,46 @@ def module_state_dicts(name):
     return failures
 
 
+def load_state_dict_hooks(name):
+    """A submodule's load_state_dict hooks run under model.load_state_dict
+    and model.module.load_state_dict, with the prefixes torch DDP passes: a
+    pre-hook renames a legacy key and converts its value; a post-hook forgives
+    a missing key, and the strict load then goes through. model.state_dict()
+    gives a state_dict hook the prefix torch DDP gives ("module.fc1.")."""
+    failures = []
+    model, _ = make_tiny(name)
+    full, calls = model.full_state_dict(), []
+
+    def pre(module, state_dict, prefix, *rest):
+        calls.append(prefix)
+        if prefix + "legacy" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "legacy") * 2
+
+    def post(module, keys):
+        calls.append("post")
+        keys.missing_keys[:] = [k for k in keys.missing_keys if not k.endswith("ln.bias")]
+
+    model.module.fc1._register_load_state_dict_pre_hook(pre, with_module=True)
+    model.module.fc1.register_load_state_dict_post_hook(post)
+    for load, prefix in ((model.load_state_dict, "module."), (model.module.load_state_dict, "")):
+        values = {prefix + k: v for k, v in full.items() if k not in ("ln.bias", "fc1.weight")}
+        values[prefix + "fc1.legacy"] = full["fc1.weight"]
+        calls.clear()
+        load(values)
+        if calls != [prefix + "fc1.", "post"]:
+            failures.append(f"{name}: {prefix or 'module '}load_state_dict ran the hooks {calls}")
+        off = (model.full_state_dict()["fc1.weight"] - 2 * full["fc1.weight"]).abs().max()
+        if off > 0:
+            failures.append(f"{name}: fc1.weight is off the pre-hook's value by {off:.2e}")
+        model.load_state_dict({"module." + k: v for k, v in full.items()})
+    seen = []
+    model.module.fc1.register_state_dict_pre_hook(lambda module, prefix, keep_vars: seen.append(prefix))
+    model.state_dict()
+    if seen != ["module.fc1."]:
+        failures.append(f"{name}: model.state_dict() gave fc1's state_dict hook the prefixes {seen}")
+    return failures
+
+
 def second_backward_refused(name):
     """backward(retain_graph=True), then backward again through the same
     forward: plain torch adds the grads twice, torch DDP refuses; each

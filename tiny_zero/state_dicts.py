@@ -21,9 +21,9 @@ from operator import attrgetter, itemgetter
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from . import agreements, comm
+from .module.hooks import loaded_with_hooks
 from .precision import take_written_
 
 # Elements [lo, hi) of parameter `name` (flattened; full shape `shape`) are
@@ -46,29 +46,28 @@ class WrapperStateDicts:
         parameters are sharded."""
         raise NotImplementedError
 
-    def full_state_dict(self):
-        """Full fp32 values (the masters), keys as module.state_dict(), on every rank."""
+    def full_state_dict(self, prefix=""):
+        """Full fp32 values (the masters), keys as module.state_dict(prefix=prefix), on every rank."""
         comm.where = "full_state_dict"
         self.adopt_param_writes()
         full = self.gather_full()
         return {k: full[v] if v in full else v.detach().float().cpu().clone()
-                for k, v in self.module.state_dict(keep_vars=True).items()}
+                for k, v in self.module.state_dict(prefix=prefix, keep_vars=True).items()}
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """Full fp32 values on every rank, keys as torch DDP's ("module.x");
         a collective where parameters are sharded: call it on every rank."""
         out = {} if destination is None else destination
-        for key, value in self.full_state_dict().items():
-            out[prefix + "module." + key] = value
+        out.update(self.full_state_dict(prefix + "module."))
         return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Load a state dict keyed as state_dict() gives it ("module.x"; plain
         module keys too): every rank's pieces, the masters and the buffers."""
-        values = {k.removeprefix("module."): v for k, v in state_dict.items()}
-        missing, unexpected = self.load_subtree(values, strict, type(self).__name__)
-        return _IncompatibleKeys(["module." + k for k in missing], ["module." + k for k in unexpected])
+        values = {"module." + k.removeprefix("module."): v for k, v in state_dict.items()}
+        return loaded_with_hooks(self.module, values, "module.", strict, getattr(state_dict, "_metadata", {}),
+                                 lambda below, strict: self.load_subtree(below, strict, type(self).__name__))
 
     @torch.no_grad()
     def load_subtree(self, values, strict, who, prefix=""):
@@ -114,7 +113,8 @@ class WrapperStateDicts:
         """model.module(.sub).load_state_dict(state_dict): a collective, as
         model.load_state_dict. `assign` is accepted and has no effect: the
         values are copied into what each rank holds."""
-        return _IncompatibleKeys(*self.load_subtree(dict(state_dict), strict, type(sub).__name__, prefix))
+        return loaded_with_hooks(sub, dict(state_dict), "", strict, getattr(state_dict, "_metadata", {}),
+                                 lambda below, strict: self.load_subtree(below, strict, type(sub).__name__, prefix))
 
     def refuse_module_state_dict(self, sub, prefix, keep_vars):
         if keep_vars:  # the Parameter objects themselves: what tiny_zero reads internally

@@ -1,6 +1,9 @@
-"""Parameters' grad hooks (register_hook, register_post_accumulate_grad_hook;
-a first reader may skip this file): a strategy runs them as autograd would, and the
-layers without a strategy refuse them."""
+"""torch's hooks that tiny_zero runs itself (a first reader may skip this
+file): parameters' grad hooks (register_hook,
+register_post_accumulate_grad_hook), which a strategy runs as autograd would
+and the layers without a strategy refuse; modules' load_state_dict hooks,
+which a wrapper's load runs as torch's load_state_dict would."""
+from torch.nn.modules.module import _IncompatibleKeys
 
 
 def has_grad_hook(param):
@@ -47,3 +50,37 @@ def run_grad_hooks(param, grad, local):
         param.grad = before
         if shown is not grads:
             grads.copy_(shown)
+
+
+def loaded_with_hooks(top, values, key_prefix, strict, metadata, load):
+    """A load_state_dict called on `top` (`values` keyed key_prefix + its
+    keys), with torch's load_state_dict hooks of top and its submodules, in
+    torch's order: each module's pre-hooks before its children's (they may
+    rename or convert keys), then load(values keyed as top's own keys, strict)
+    -> (missing, unexpected), then the post-hooks, children first (they may
+    edit the incompatible keys, which a strict load checks after them)."""
+    modules = list(top.named_modules())
+    post = [(m, hook) for m in post_order(top) for hook in m._load_state_dict_post_hooks.values()]
+    missing, unexpected, errors = [], [], []
+    for path, m in modules:
+        prefix = key_prefix + (path + "." if path else "")
+        for hook in m._load_state_dict_pre_hooks.values():
+            hook(values, prefix, metadata.get(prefix[:-1], {}), strict, missing, unexpected, errors)
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(top).__name__}:\n\t" + "\n\t".join(errors))
+    got_missing, got_unexpected = load({k.removeprefix(key_prefix): v for k, v in values.items()}, strict and not post)
+    keys = _IncompatibleKeys(missing + [key_prefix + k for k in got_missing],
+                             unexpected + [key_prefix + k for k in got_unexpected])
+    for m, hook in post:
+        hook(m, keys)
+    if strict and (keys.missing_keys or keys.unexpected_keys):
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(top).__name__}: missing keys "
+                           f"{keys.missing_keys}, unexpected keys {keys.unexpected_keys}")
+    return keys
+
+
+def post_order(module):
+    """module's submodules, each after its children (torch's order of the load's post-hooks)."""
+    for child in module.children():
+        yield from post_order(child)
+    yield module
