@@ -10,6 +10,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 
@@ -182,6 +183,49 @@ def fine_tuning(names, strategies):
             failures += [f"{name}/{strategy} fine-tuning: {key} differs by {(state[key] - want).abs().max():.2e}"
                          for key, want in ref.state_dict().items()
                          if not torch.allclose(state[key], want, rtol=RTOL, atol=ATOL)]
+    return failures
+
+
+def lora(base):
+    """peft's LoRA on a tiny Llama: q_proj and v_proj, B not zero at the start
+    (so that the base weights' grads and the merge both show)."""
+    import peft
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    return peft.get_peft_model(base, config)
+
+
+def lora_fine_tuning(strategies):
+    """peft LoRA, the base frozen, clipped: 3 steps train every parameter as
+    torch's. Then the merge, as docs/huggingface.md gives it: every rank
+    gathers model.full_state_dict() into an unwrapped copy, which
+    merge_and_unload() merges as torch's. Failures."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref = lora(build("llama"))
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=WD)
+    for step in range(3):
+        loss_of(ref, *global_batch(step, world)).backward()
+        nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    merged = copy.deepcopy(ref).merge_and_unload().state_dict()
+    failures = []
+    for strategy in strategies:
+        wrapper, optimizer = tiny_zero.STRATEGIES[strategy]
+        model = wrapper(lora(build("llama")))
+        opt = optimizer(model, lr=LR, eps=EPS, weight_decay=WD)
+        for step in range(3):
+            loss_of(model, *my_rows(global_batch(step, world))).backward()
+            model.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad()
+        state = model.full_state_dict()
+        plain = lora(build("llama"))
+        plain.load_state_dict(state)
+        for what, got, want in (("LoRA", state, ref.state_dict()),
+                                ("merged", plain.merge_and_unload().state_dict(), merged)):
+            failures += [f"{strategy} {what}: {key} differs by {(got[key] - value).abs().max():.2e} on rank {rank}"
+                         for key, value in want.items() if not torch.allclose(got[key], value, rtol=RTOL, atol=ATOL)]
     return failures
 
 

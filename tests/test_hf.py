@@ -219,6 +219,7 @@ def world2(saved):
     plan = [("parity", "parity", (MODELS, STRATEGIES)),
             ("parity more", "parity", (MORE_MODELS, RELEASING)),
             ("fine_tuning", "fine_tuning", (["llama", "gpt2"], STRATEGIES)),
+            ("lora", "lora_fine_tuning", (STRATEGIES + ["offload"],)),
             ("load", "load_all", (sources(saved), STRATEGIES, False))]
     plan += [(f"errors {s}", "load_errors", (s, saved / "llama", saved / "qwen2", saved / "llama-wider"))
              for s in STRATEGIES]
@@ -247,6 +248,11 @@ def test_zero3_and_fsdp_train_gemma_opt_phi3_and_t5_as_torch_does_world_2(world2
 
 def test_fine_tuning_with_padding_masked_labels_and_checkpointing_as_torch(world2):
     failures = [f for rank in world2["fine_tuning"] for f in rank]
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_peft_lora_trains_and_merges_as_torch(world2):
+    failures = [f for rank in world2["lora"] for f in rank]
     assert not failures, "\n".join(failures[:20])
 
 
