@@ -705,6 +705,31 @@ def load_state_dict_hooks(name):
     return failures
 
 
+def deep_copied(name):
+    """copy.deepcopy(model.module) after a step (an EMA, a reference model)
+    computes as the wrapped module does, and the wrapped model trains on as
+    torch's; zero3 and fsdp, whose parameters are released between uses,
+    refuse the copy on every rank, saying what to do instead."""
+    failures = []
+    ref, ref_opt = make_torch()
+    model, opt = make_tiny(name)
+    for step in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            run_loop(m, o, "plain", step, distributed=m is model)
+            o.step()
+            o.zero_grad()
+        if step == 1 and name in ("zero3", "fsdp"):
+            failures += refused(lambda: copy.deepcopy(model.module), "full_state_dict()", f"{name}: deepcopy",
+                                TypeError)
+        elif step == 1:
+            copied = copy.deepcopy(model.module)
+            with torch.no_grad():
+                x, y = my_rows(global_batch(7))
+                if not torch.equal(copied(x, y), model.module(x, y)):
+                    failures.append(f"{name}: the deep copy of model.module computes another loss")
+    return failures + differs_from_torch(f"{name}: after a deepcopy", model, ref)
+
+
 def second_backward_refused(name):
     """backward(retain_graph=True), then backward again through the same
     forward: plain torch adds the grads twice, torch DDP refuses; each

@@ -10,7 +10,7 @@ model and the optimizer, p.grad (a replaced one too) and torch's clip_grad_norm_
 loss.backward(), autocast and torch.compile, grad hooks on the parameters and torch's
 MemTracker as under torch DDP, a head whose output reaches the loss on
 some ranks only as under torch DDP with find_unused_parameters, torch's amsgrad and maximize refused, model.module.state_dict() and
-load_state_dict() (torch's load hooks run), a second backward through one forward refused, p.grad set
+load_state_dict() (torch's load hooks run), copy.deepcopy, a second backward through one forward refused, p.grad set
 to None outside zero_grad(), torch.autograd.grad and create_graph refused,
 evaluation under no_grad (on rank 0 alone too), a parameter used outside its
 layer refused, grads read or added to after a clip, a parameter written in
@@ -46,6 +46,7 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("torch_options", "each", ("torch_options_refused", ALL)),
           ("module_state_dicts", "each", ("module_state_dicts", ALL)),
           ("load_hooks", "each", ("load_state_dict_hooks", ALL)),
+          ("deepcopy", "each", ("deep_copied", ALL)),
           ("second_backward", "each", ("second_backward_refused", ALL)),
           ("grads_cleared", "each", ("grads_cleared_outside_zero_grad", ALL)),
           ("autograd_grad", "each", ("autograd_grad_refused", ALL)),

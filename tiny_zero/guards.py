@@ -116,6 +116,10 @@ class ShardedGrad(torch.Tensor):
             "model.clip_grad_norm_(max_norm) (it returns the global norm), step with the strategy's "
             "optimizer, and read a full grad nowhere (p.grad only tells that a parameter has one)")
 
+    def __deepcopy__(self, memo):
+        """copy.deepcopy of the model (an EMA, a reference model): the copy gets a placeholder of its own."""
+        return ShardedGrad(self, self.strategy)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError("a sharded grad has no data (see ShardedGrad)")

@@ -149,6 +149,12 @@ class Gathering:
     ([(parameter, its view of the buffer, its released value)]), and
     starts a unit's gather with gather(unit) -> (buffer, [its handles])."""
 
+    def __deepcopy__(self, memo):
+        raise TypeError(f"copy.deepcopy of a {type(self).__name__}-wrapped model, or of its module (whose layers "
+                        "point at the wrapper): its parameters are released between uses (zeros of their full "
+                        "shape), so a copy would hold no values. For an EMA or a reference model, build the module "
+                        "again and load model.full_state_dict() into it (on every rank: a collective)")
+
     def start_gathering(self, units_of):
         self.order = GatherOrder(units_of)
         self.gathered = {}  # unit -> (its buffer, [its gather's handles]), while its layers use it
