@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from . import agreements, comm
-from .module.hooks import loaded_with_hooks
+from .module.hooks import loaded_with_hooks, unhooked_state_dict
 from .precision import take_written_
 
 # Elements [lo, hi) of parameter `name` (flattened; full shape `shape`) are
@@ -73,14 +73,14 @@ class WrapperStateDicts:
     def load_subtree(self, values, strict, who, prefix=""):
         """Load `values`, keyed as the module's state_dict() keys below `prefix`
         with the prefix taken off. Returns (missing, unexpected) keys, so keyed."""
-        own = {k.removeprefix(prefix): v for k, v in self.module.state_dict(keep_vars=True).items()
-               if k.startswith(prefix)}
+        entries = unhooked_state_dict(self.module)  # the keys a load matches, as torch's: no state_dict hooks
+        own = {k.removeprefix(prefix): v for k, v in entries.items() if k.startswith(prefix)}
         missing = [k for k in own if k not in values]
         unexpected = [k for k in values if k not in own]
         if strict and (missing or unexpected):
             raise RuntimeError(f"Error(s) in loading state_dict for {who}: missing keys {missing}, "
                                f"unexpected keys {unexpected}")
-        names = [(key.removeprefix(prefix), name) for key, name in state_dict_names(self.module)
+        names = [(key.removeprefix(prefix), name) for key, name in state_dict_names(self.module, entries)
                  if key.startswith(prefix)]
         for key, name in names:
             if key in values and name is not None and tuple(values[key].shape) != tuple(self.shapes[name]):
@@ -274,11 +274,13 @@ def param_versions(named_params):
     return list(map(_VERSION, map(itemgetter(1), named_params)))
 
 
-def state_dict_names(module):
+def state_dict_names(module, entries=None):
     """[(state_dict key, the parameter name it is, or None for a buffer)]: tied
-    parameters appear under every key they have."""
+    parameters appear under every key they have. entries: the state dict
+    (keep_vars) to name, module.state_dict()'s if None."""
     name_of = {p: name for name, p in module.named_parameters()}
-    return [(key, name_of.get(value)) for key, value in module.state_dict(keep_vars=True).items()]
+    entries = module.state_dict(keep_vars=True) if entries is None else entries
+    return [(key, name_of.get(value)) for key, value in entries.items()]
 
 
 class OptimizerStateDicts:

@@ -84,3 +84,15 @@ def post_order(module):
     for child in module.children():
         yield from post_order(child)
     yield module
+
+
+def unhooked_state_dict(module, prefix=""):
+    """module.state_dict(keep_vars=True) without its hooks: the keys that
+    torch's load_state_dict matches (each module's own, after the load's
+    pre-hooks), whatever state_dict hooks rename on saving."""
+    out = {}
+    module._save_to_state_dict(out, prefix, keep_vars=True)
+    for name, child in module._modules.items():
+        if child is not None:
+            out.update(unhooked_state_dict(child, prefix + name + "."))
+    return out
