@@ -127,6 +127,34 @@ def resume(directory):
             "counters": counters}
 
 
+PARTIAL = {  # name: load_checkpoint's flags
+    "no_optimizer_no_schedule": dict(load_optimizer_states=False, load_lr_scheduler_states=False),
+    "no_schedule": dict(load_lr_scheduler_states=False),
+    "module_only": dict(load_module_only=True),
+}
+
+
+def partial_loads(directory):
+    """{(library, PARTIAL name): (global_steps, lr, the losses of 3 more steps)}: DeepSpeed's and
+    tiny_zero's engines, saved after 2 steps and loaded by a new engine with those flags."""
+    deepspeed = import_deepspeed()
+    cfg = config(2, eps=1.0, scheduler=DECAY)
+    out = {}
+    for library in (deepspeed, tiny_zero):
+        where = os.path.join(directory, library.__name__)
+        model = Net()
+        engine, _, _, _ = library.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
+        train(engine, 2)
+        engine.save_checkpoint(where)
+        for name, flags in PARTIAL.items():
+            model = Net()
+            engine, _, _, _ = library.initialize(model=model, model_parameters=model.parameters(),
+                                                 config=copy.deepcopy(cfg))
+            engine.load_checkpoint(where, **flags)
+            out[library.__name__, name] = (engine.global_steps, engine.get_lr(), train(engine, 3, first=2))
+    return out
+
+
 def bad_configs(configs):
     """{name: the error tiny_zero.initialize raised for configs[name]}."""
     errors = {}

@@ -41,6 +41,7 @@ def world(tmp_path_factory):
             ("bad", "bad_configs", ({name: cfg for name, (cfg, _) in BAD.items()},))]
     if HAS_DEEPSPEED:
         plan.append(("compare", "compare", (list(checks.CONFIGS),)))
+        plan.append(("partial", "partial_loads", (str(tmp_path_factory.mktemp("partial")),)))
     return run_checks(2, "deepspeed_checks", plan, timeout=600)
 
 
@@ -70,6 +71,17 @@ def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world):
         global_steps, micro_steps, schedule_step, lr = result["counters"]
         assert (global_steps, micro_steps, schedule_step) == (2, 4, 1)
         assert lr == [pytest.approx(2e-2)]  # WarmupDecayLR after 2 steps of warmup
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+@pytest.mark.parametrize("name", list(checks.PARTIAL))
+def test_load_checkpoint_flags_load_what_deepspeeds_load(world, name):
+    """load_optimizer_states, load_lr_scheduler_states and load_module_only:
+    the counters, the lr and the losses after the load are DeepSpeed's."""
+    for result in world["partial"]:
+        (ds_steps, ds_lr, ds_losses), (steps, lr, losses) = result["deepspeed", name], result["tiny_zero", name]
+        assert steps == ds_steps and lr == pytest.approx(ds_lr, rel=1e-6)
+        assert max(abs(a - b) for a, b in zip(losses, ds_losses)) < FP32_ATOL, (losses, ds_losses)
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -107,6 +119,23 @@ def test_keys_map_to_the_strategy_and_its_settings():
     assert read_config(checks.config(1, zero=checks.OFFLOAD), 2).strategy == "offload"
     fp16 = read_config(checks.config(0, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 3}), 2)
     assert fp16.loss_scale == {"init_scale": 256.0, "window": 1000, "hysteresis": 3, "min_scale": 1}
+
+
+def test_auto_and_words_are_read_as_deepspeed_reads_them():
+    """DeepSpeed's pydantic sections drop "auto" (the default: fp32, stage 0)
+    and read "false"/"true"; elsewhere "auto" is refused by name, not read."""
+    auto = read_config(checks.config(2, zero={"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"},
+                                     bf16={"enabled": "auto"}, fp16={"enabled": "auto"}), 2)
+    assert (auto.strategy, auto.mixed_precision, auto.bucket_elements) == ("zero2", None, None)
+    assert dict(auto.changed)["bf16.enabled"] == '"auto": the default, as DeepSpeed reads it'
+    assert read_config(checks.config(0, bf16={"enabled": "false"}), 1).mixed_precision is None
+    assert read_config(checks.config(0, bf16={"enabled": "true"}), 1).mixed_precision == "bf16"
+    with pytest.raises(ValueError, match="bf16.enabled must be true or false"):
+        read_config(checks.config(0, bf16={"enabled": "maybe"}), 1)
+    cfg = checks.config(0)
+    cfg["gradient_clipping"] = "auto"
+    with pytest.raises(ValueError, match='gradient_clipping = "auto", which transformers'):
+        read_config(cfg, 1)
 
 
 def test_performance_keys_are_listed_with_why_they_change_nothing():

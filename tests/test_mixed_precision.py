@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import run_checks  # noqa: E402
@@ -58,11 +59,29 @@ def test_loss_scale_sequence():
         scaler.update(step == "o")
         scales.append(scaler.scale)
     # The first overflow only uses up the hysteresis; later ones halve the
-    # scale, down to 4. Three clean steps after the last overflow double it
-    # and restore the hysteresis, so of the final pair only the 2nd halves.
+    # scale, down to 4. Four clean steps in a row (window + 1, DeepSpeed's
+    # count) would double it and restore the hysteresis: none here.
     #            .   .   o   .   o   .   .   o   .   o  .  o  .  .  .  .  o  o  .  .
-    expected = [64, 64, 64, 64, 32, 32, 32, 16, 16, 8, 8, 4, 4, 4, 8, 8, 8, 4, 4, 4]
+    expected = [64, 64, 64, 64, 32, 32, 32, 16, 16, 8, 8, 4, 4, 4, 4, 8, 8, 4, 4, 4]
     assert scales == expected
+
+
+def test_loss_scale_follows_deepspeed(monkeypatch):
+    """Random overflow patterns, windows 1 to 4, hysteresis 1 to 3: after every
+    update the scale equals DeepSpeed's DynamicLossScaler's."""
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # its log lines ask; no world is needed
+    g = torch.Generator().manual_seed(0)
+    for window in (1, 2, 3, 4):
+        for hysteresis in (1, 2, 3):
+            ours = LossScaler(init_scale=2.0**30, window=window, hysteresis=hysteresis, min_scale=1)
+            theirs = loss_scaler.DynamicLossScaler(init_scale=2.0**30, scale_window=window, min_scale=1,
+                                                   delayed_shift=hysteresis, consecutive_hysteresis=False,
+                                                   raise_error_at_min_scale=False)
+            for step, overflow in enumerate((torch.rand(60, generator=g) < 0.3).tolist()):
+                ours.update(overflow)
+                theirs.update_scale(overflow)
+                assert ours.scale == theirs.cur_scale, (window, hysteresis, step)
 
 
 def test_overflow_at_min_scale_raises():

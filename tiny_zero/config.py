@@ -206,6 +206,10 @@ def sort_keys(section, known, prefix, c):
             near = difflib.get_close_matches(key, list(known), n=1)
             hint = f"; did you mean {prefix + near[0]!r}?" if near else f"; the keys here: {', '.join(known)}"
             raise ValueError(f"DeepSpeed config: unknown key {name!r}{hint}")
+        if isinstance(value, str) and value == "auto":
+            raise ValueError(f"DeepSpeed config: {name} = \"auto\", which transformers' Trainer fills in: DeepSpeed "
+                             "takes \"auto\" for the default only within fp16, bf16 and zero_optimization; "
+                             f"set {name}")
         rule = known[key]
         if rule == READ:
             continue
@@ -243,16 +247,40 @@ def read_batch(raw, c):
                           f"the first {acc - 1} backward passes of a step run in model.no_sync()"))
 
 
+def without_auto(section, prefix, c):
+    """A section that DeepSpeed reads with its pydantic models (fp16, bf16,
+    zero_optimization, its offload_optimizer): a value "auto" is dropped
+    there, so the key takes its default, as DeepSpeed does."""
+    if not isinstance(section, dict):
+        return section
+    c.changed += [(prefix + k, '"auto": the default, as DeepSpeed reads it') for k, v in section.items() if v == "auto"]
+    return {k: v for k, v in section.items() if not (isinstance(v, str) and v == "auto")}
+
+
+def flag(section, key, prefix):
+    """A true/false key as DeepSpeed's pydantic reads it: a bool, 0 or 1, or a word ("true", "false", "yes", ...)."""
+    value = section.get(key, False)
+    if isinstance(value, str) and value.lower() in TRUE + FALSE:
+        return value.lower() in TRUE
+    if isinstance(value, (bool, int)) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"DeepSpeed config: {prefix}{key} must be true or false, got {json.dumps(value)}")
+
+
+TRUE, FALSE = ("true", "t", "yes", "y", "on", "1"), ("false", "f", "no", "n", "off", "0")
+
+
 def read_precision(raw, c):
-    fp16, bf16 = raw.get("fp16", {}), raw.get("bf16", {})
+    fp16, bf16 = without_auto(raw.get("fp16", {}), "fp16.", c), without_auto(raw.get("bf16", {}), "bf16.", c)
     sort_keys(fp16, FP16, "fp16.", c)
     sort_keys(bf16, BF16, "bf16.", c)
-    if fp16.get("enabled") and bf16.get("enabled"):
+    fp16_on, bf16_on = flag(fp16, "enabled", "fp16."), flag(bf16, "enabled", "bf16.")
+    if fp16_on and bf16_on:
         raise ValueError("DeepSpeed config: fp16.enabled and bf16.enabled are both true; choose one")
-    if bf16.get("enabled"):
+    if bf16_on:
         c.mixed_precision = "bf16"
         c.changed.append(("bf16.enabled", "mixed_precision='bf16': bf16 parameters and grads, fp32 masters"))
-    elif fp16.get("enabled"):
+    elif fp16_on:
         c.mixed_precision = "fp16"
         static = float(fp16.get("loss_scale", 0))
         c.loss_scale = {"static": static} if static > 0 else {
@@ -264,13 +292,14 @@ def read_precision(raw, c):
 
 
 def read_zero(zero, c):
+    zero = without_auto(zero, "zero_optimization.", c)
     sort_keys(zero, ZERO, "zero_optimization.", c)
     stage = zero.get("stage", 0)
     if stage not in STAGES:
         raise ValueError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     c.strategy = STAGES[stage]
     c.changed.append(("zero_optimization.stage", f"{stage}: tiny_zero.{c.strategy}"))
-    offload = zero.get("offload_optimizer", {})
+    offload = without_auto(zero.get("offload_optimizer", {}), "zero_optimization.offload_optimizer.", c)
     sort_keys(offload, OFFLOAD, "zero_optimization.offload_optimizer.", c)
     device = offload.get("device", "none")
     if device == "cpu":

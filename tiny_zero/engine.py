@@ -166,9 +166,17 @@ class Engine(nn.Module):
         dist.barrier()  # every rank may read `latest` once this returns
         return True
 
-    def load_checkpoint(self, load_dir, tag=None, **_ignored):
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         """Resume from save_checkpoint's directory: returns (path, client_state),
-        or (None, None) when load_dir has no `latest` and no tag is given."""
+        or (None, None) when load_dir has no `latest` and no tag is given. As
+        DeepSpeed's: load_optimizer_states=False leaves the optimizer as it is
+        (moments, step counts, param groups, loss scale), and
+        load_lr_scheduler_states=False the schedule; load_module_only=True
+        loads the weights alone (the step counters stay too)."""
+        if not load_module_strict or custom_load_fn is not None:
+            raise ValueError("engine.load_checkpoint: load_module_strict=False and custom_load_fn are not supported "
+                             "by tiny_zero: a checkpoint loads every tensor of the model, checked by name and shape")
         if tag is None:
             latest = Path(load_dir) / LATEST
             if not latest.is_file():
@@ -176,11 +184,13 @@ class Engine(nn.Module):
                 return None, None
             tag = latest.read_text().strip()
         path = Path(load_dir) / str(tag)
-        info = checkpoint.load(path, self.wrapper, self.optimizer)
+        info = checkpoint.load(path, self.wrapper, self.optimizer,
+                               optimizer_states=load_optimizer_states and not load_module_only)
         extra = info["extra"]
-        self.global_steps, self.micro_steps = info["step"], extra["micro_steps"]
-        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if not load_module_only:
+            self.global_steps, self.micro_steps = info["step"], extra["micro_steps"]
+            if load_lr_scheduler_states and self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+                self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         return str(path), extra["client_state"]
 
 

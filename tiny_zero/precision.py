@@ -53,8 +53,9 @@ class LossScaler:
     On an overflow (inf/nan in any rank's grads) the step is skipped. The
     first `hysteresis - 1` overflows in a row leave the scale alone; after
     that each one halves it (never below min_scale; an overflow at min_scale
-    is an error). After `window` steps without overflow the scale doubles and
-    the hysteresis is restored.
+    is an error). A run of steps without overflow doubles the scale, and
+    restores the hysteresis, at its (window + 1)-th step and every `window`
+    steps after, as DeepSpeed's DynamicLossScaler counts.
 
     The scale, the hysteresis left and the steps since the last overflow are
     0-d tensors on the grads' device, updated there, as torch's GradScaler
@@ -95,7 +96,8 @@ class LossScaler:
         torch._assert_async(~(halve & (self.tensor <= self.min_scale)),
                             f"fp16 gradients overflow even at the minimum loss scale {self.min_scale}: "
                             "the loss or the model diverged (try a lower learning rate, or bf16)")
-        grow = ~overflow & (self.since_overflow % self.window == 0)
+        stable = self.since_overflow - 1  # DeepSpeed's stable interval: clean steps since the last overflow, less one
+        grow = ~overflow & (stable > 0) & (stable % self.window == 0)
         self.tensor.copy_(torch.where(halve, torch.clamp(self.tensor / 2, min=self.min_scale),
                                       torch.where(grow, self.tensor * 2, self.tensor)))
         self.hysteresis_left.copy_(torch.where(grow, float(self.hysteresis),

@@ -160,23 +160,35 @@ def _publish(saving, path, model, opt, infos, step, extra):
 # ---------------------------------------------------------------- load
 
 @torch.no_grad()
-def load(path, model, opt):
+def load(path, model, opt, optimizer_states=True):
     """Restore parameters, optimizer state and settings (opt.param_groups'
     lr and the rest, as torch's opt.load_state_dict) and loss scale saved by
-    save(), whatever strategy and world size saved them. Call it on every
-    rank. Returns {"step": ..., "extra": ...} as given to save()."""
+    save(), whatever strategy and world size saved them; optimizer_states
+    False: the parameters (their fp32 values) and buffers only. Call it on
+    every rank. Returns {"step": ..., "extra": ...} as given to save()."""
     path = Path(path)
     comm.where = "loading a checkpoint"
     failed = f"cannot load checkpoint {path}"
     pieces = model.pieces()
     shapes = {name: tuple(shape) for name, shape in model.shapes.items()}  # full shapes, in model order
     names = list(shapes)
-    read, error = _attempt(_read_for_rank, path, names, shapes, opt.named_param_groups(), pieces, model.rank)
+    groups = opt.named_param_groups() if optimizer_states else None
+    read, error = _attempt(_read_for_rank, path, names, shapes, groups, pieces, model.rank)
     _agree(failed, error)  # every rank has read and checked all it needs; nothing has changed yet
     meta, parts, scaler_state, skipped_steps = read
 
     part_of = {(p.name, p.lo, p.hi): part for p, part in zip(pieces, parts)}
     model.load_pieces(lambda piece: part_of[piece.name, piece.lo, piece.hi][0]["param"])
+    if optimizer_states:
+        load_optimizer_states(path, model, opt, pieces, part_of, meta, scaler_state, skipped_steps)
+    for key, value in meta["buffers"].items():
+        model.module.get_buffer(key).copy_(value)
+    weights_loaded(model.module)  # a model built on meta without an init may now run
+    return {"step": meta["step"], "extra": meta["extra"]}
+
+
+def load_optimizer_states(path, model, opt, pieces, part_of, meta, scaler_state, skipped_steps):
+    """load()'s optimizer part: moments and step counts, the loss scale, the param groups' settings."""
     stepped = {id(s) for s in model.shards}
     for piece in pieces:
         if id(piece.tensor) in stepped:  # a trainable parameter's piece: its optimizer state too
@@ -192,17 +204,14 @@ def load(path, model, opt):
     else:
         log.warning("%s was saved without the optimizer's param groups (by an older tiny_zero): "
                     "their settings (lr, ...) stay as they are", path)
-    for key, value in meta["buffers"].items():
-        model.module.get_buffer(key).copy_(value)
-    weights_loaded(model.module)  # a model built on meta without an init may now run
-    return {"step": meta["step"], "extra": meta["extra"]}
 
 
 def _read_for_rank(path, names, shapes, groups, pieces, rank):
     directory = _find(path)
     meta = _read_meta(directory)
     _check_same_model(meta, names, shapes)
-    _check_same_groups(meta, groups)
+    if groups is not None:  # the optimizer's state loads too
+        _check_same_groups(meta, groups)
     shards = ShardReader(directory, meta)
     parts = [shards.read(p.name, p.lo, p.hi) for p in progress(pieces, "loading checkpoint")]
     # the loss scaler's state is the same in every shard: one this rank has opened, or any
