@@ -628,6 +628,20 @@ def torch_options_refused(name):
                               ValueError)
 
 
+def named_parameters_given(name):
+    """The optimizer takes model.module.named_parameters(), as torch.optim does
+    (and DeepSpeed's initialize, as model_parameters): the groups of
+    parameters(); a tensor not in the model is refused, by its shape."""
+    model, _ = make_tiny(name)
+    opt_cls = tiny_zero.STRATEGIES[name][1]
+    named, plain = (opt_cls(model, params, lr=LR) for params in (model.module.named_parameters(),
+                                                                 model.module.parameters()))
+    ids = [[[id(p) for p in g["params"]] for g in opt.param_groups] for opt in (named, plain)]
+    failures = [] if ids[0] == ids[1] else [f"{name}: named_parameters() gave other param groups"]
+    return failures + refused(lambda: named.add_param_group({"params": [torch.zeros(3, 4)]}),
+                              "got a tensor of shape (3, 4)", f"{name}: a tensor not in the model", ValueError)
+
+
 def module_state_dicts(name):
     """What torch DDP users call on model.module: load_state_dict() (of the
     module or of a submodule) reaches the fp32 masters and every rank's

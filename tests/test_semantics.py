@@ -9,7 +9,7 @@ At world 2: add_param_group, zero_grad(set_to_none=False), state dicts of the
 model and the optimizer, p.grad (a replaced one too) and torch's clip_grad_norm_, fp16 with a plain
 loss.backward(), autocast and torch.compile, grad hooks on the parameters and torch's
 MemTracker as under torch DDP, a head whose output reaches the loss on
-some ranks only as under torch DDP with find_unused_parameters, torch's amsgrad and maximize refused, model.module.state_dict() and
+some ranks only as under torch DDP with find_unused_parameters, torch's amsgrad and maximize refused, named_parameters() as an optimizer's params, model.module.state_dict() and
 load_state_dict() (torch's load hooks run), copy.deepcopy, a second backward through one forward refused, p.grad set
 to None outside zero_grad(), torch.autograd.grad and create_graph refused,
 evaluation under no_grad (on rank 0 alone too), a parameter used outside its
@@ -45,6 +45,7 @@ WORLD2 = [("loops", "training_loops", (ALL, LOOPS)),
           ("head_on_some_ranks", "each", ("head_on_some_ranks", ALL)),
           ("torch_options", "each", ("torch_options_refused", ALL)),
           ("module_state_dicts", "each", ("module_state_dicts", ALL)),
+          ("named_parameters", "each", ("named_parameters_given", ALL)),
           ("load_hooks", "each", ("load_state_dict_hooks", ALL)),
           ("deepcopy", "each", ("deep_copied", ALL)),
           ("second_backward", "each", ("second_backward_refused", ALL)),

@@ -185,6 +185,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
             group = dict(group)
             items = group["params"]
             items = [items] if isinstance(items, (str, torch.Tensor)) else list(items)
+            items = [item[1] if isinstance(item, tuple) else item for item in items]  # named_parameters(), as torch's
             for item in items:
                 if isinstance(item, str) and item not in by_name:
                     raise ValueError(f"{type(self).__name__}: no parameter named {item!r} in the model "
@@ -198,10 +199,11 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, (str, torch.Tensor)) else list(params)
         by_name = dict(self.model.named_params)
-        params = [by_name.get(p, p) if isinstance(p, str) else p for p in params]
+        params = [by_name.get(p, p) if isinstance(p, str) else p[1] if isinstance(p, tuple) else p for p in params]
         for p in params:
             if isinstance(p, str) or id(p) not in known:
-                raise ValueError(f"{type(self).__name__} steps the wrapped model's parameters only, got {p!r}")
+                got = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)[:80]
+                raise ValueError(f"{type(self).__name__} steps the wrapped model's parameters only, got {got}")
         check_group({**self.defaults, **param_group})
         super().add_param_group({**param_group, "params": params})
 
