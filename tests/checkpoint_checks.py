@@ -396,6 +396,16 @@ def error_cases(root):
         messages["unloadable extra"] = str(e)
     if checkpoint.load(source, *fresh("zero2")[:2])["step"] != SAVE_AT:
         messages["unloadable extra"] = "FAILED: the failed save replaced the checkpoint"
+    checkpoint.save(root / "later", model, opt, step=SAVE_AT + 1)
+    model, opt, _ = fresh("zero2")
+    before = model.full_state_dict()
+    try:  # each rank its own path: rank 1 reads a later save
+        checkpoint.load(source if dist.get_rank() == 0 else root / "later", model, opt)
+        messages["different checkpoints"] = "FAILED: loaded without an error"
+    except checkpoint.CheckpointError as e:
+        messages["different checkpoints"] = str(e)
+    if differences("", model.full_state_dict(), before) or opt.state:
+        messages["different checkpoints"] = "FAILED: a failed load changed the model or optimizer"
     return messages
 
 

@@ -174,8 +174,12 @@ def load(path, model, opt, optimizer_states=True):
     names = list(shapes)
     groups = opt.named_param_groups() if optimizer_states else None
     read, error = _attempt(_read_for_rank, path, names, shapes, groups, pieces, model.rank)
-    _agree(failed, error)  # every rank has read and checked all it needs; nothing has changed yet
-    meta, parts, scaler_state, skipped_steps = read
+    # every rank has read and checked all it needs, the same checkpoint; nothing has changed yet
+    read_by = _agree(failed, error, payload=None if error else (str(path), read[-1]))
+    if len({crc for _, crc in read_by}) > 1:
+        raise CheckpointError(f"{failed}: the ranks read different checkpoints (" + "; ".join(
+            f"rank {rank}: {where}" for rank, (where, _) in enumerate(read_by)) + "): load the same on every rank")
+    meta, parts, scaler_state, skipped_steps, _ = read
 
     part_of = {(p.name, p.lo, p.hi): part for p, part in zip(pieces, parts)}
     model.load_pieces(lambda piece: part_of[piece.name, piece.lo, piece.hi][0]["param"])
@@ -216,7 +220,7 @@ def _read_for_rank(path, names, shapes, groups, pieces, rank):
     parts = [shards.read(p.name, p.lo, p.hi) for p in progress(pieces, "loading checkpoint")]
     # the loss scaler's state is the same in every shard: one this rank has opened, or any
     shard = shards.open(next(iter(shards.opened), sorted(meta["files"])[rank % len(meta["files"])]))
-    return meta, parts, shard.get("loss_scaler"), shard.get("skipped_steps")
+    return meta, parts, shard.get("loss_scaler"), shard.get("skipped_steps"), zlib.crc32((directory / META).read_bytes())
 
 
 def _find(path):
