@@ -206,7 +206,7 @@ def sort_keys(section, known, prefix, c):
             near = difflib.get_close_matches(key, list(known), n=1)
             hint = f"; did you mean {prefix + near[0]!r}?" if near else f"; the keys here: {', '.join(known)}"
             raise ValueError(f"DeepSpeed config: unknown key {name!r}{hint}")
-        if isinstance(value, str) and value == "auto":
+        if value == "auto":
             raise ValueError(f"DeepSpeed config: {name} = \"auto\", which transformers' Trainer fills in: DeepSpeed "
                              "takes \"auto\" for the default only within fp16, bf16 and zero_optimization; "
                              f"set {name}")
@@ -254,7 +254,10 @@ def without_auto(section, prefix, c):
     if not isinstance(section, dict):
         return section
     c.changed += [(prefix + k, '"auto": the default, as DeepSpeed reads it') for k, v in section.items() if v == "auto"]
-    return {k: v for k, v in section.items() if not (isinstance(v, str) and v == "auto")}
+    return {k: v for k, v in section.items() if v != "auto"}
+
+
+TRUE, FALSE = ("true", "t", "yes", "y", "on", "1"), ("false", "f", "no", "n", "off", "0")
 
 
 def flag(section, key, prefix):
@@ -265,9 +268,6 @@ def flag(section, key, prefix):
     if isinstance(value, (bool, int)) and value in (0, 1):
         return bool(value)
     raise ValueError(f"DeepSpeed config: {prefix}{key} must be true or false, got {json.dumps(value)}")
-
-
-TRUE, FALSE = ("true", "t", "yes", "y", "on", "1"), ("false", "f", "no", "n", "off", "0")
 
 
 def read_precision(raw, c):

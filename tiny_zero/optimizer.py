@@ -185,7 +185,6 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
             group = dict(group)
             items = group["params"]
             items = [items] if isinstance(items, (str, torch.Tensor)) else list(items)
-            items = [item[1] if isinstance(item, tuple) else item for item in items]  # named_parameters(), as torch's
             for item in items:
                 if isinstance(item, str) and item not in by_name:
                     raise ValueError(f"{type(self).__name__}: no parameter named {item!r} in the model "
