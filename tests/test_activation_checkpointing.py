@@ -22,6 +22,7 @@ def world2():
     return run_checks(2, "activation_checks", plan)
 
 
+@pytest.mark.slow
 def test_checkpointing_changes_memory_not_results(world2):
     for (name, mode), r in world2["gpt"][0].items():
         assert r["loss_diff"] <= 1e-6 and r["param_diff"] <= 1e-6, (name, mode, r)
@@ -31,6 +32,7 @@ def test_checkpointing_changes_memory_not_results(world2):
         assert r["gathers_ckpt"] == r["gathers_plain"], (name, mode, r)
 
 
+@pytest.mark.slow
 def test_checkpointed_frozen_blocks_train_as_torch(world2):
     """Checkpointed blocks frozen but for their first layer (the frozen layers'
     forward, under a reentrant checkpoint's no_grad, sees inputs that do not

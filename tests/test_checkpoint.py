@@ -48,6 +48,7 @@ def failures(per_rank):
     return [f for rank in per_rank for f in rank]
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_on_the_same_strategy_and_world(saved, resharded):
     _, results = saved
     three, _ = resharded
@@ -61,6 +62,7 @@ def test_optimizer_state_dict_carries_the_param_group_settings(saved):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_resume_across_strategies_and_world_sizes(resharded):
     three, one = resharded
     problems = failures(three["across"]) + failures(one["across"])

@@ -45,6 +45,7 @@ def world(tmp_path_factory):
     return run_checks(2, "deepspeed_checks", plan, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
 @pytest.mark.parametrize("name", list(checks.CONFIGS))
 def test_every_micro_step_loss_matches_deepspeed(world, name):
@@ -55,6 +56,7 @@ def test_every_micro_step_loss_matches_deepspeed(world, name):
         assert ours == pytest.approx(theirs, abs=atol), (rank, ours, theirs)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
 def test_clipping_moves_the_losses_more_than_the_tolerance(world):
     """Else a missing clip would pass the comparison."""
@@ -63,6 +65,7 @@ def test_clipping_moves_the_losses_more_than_the_tolerance(world):
     assert max(abs(a - b) for a, b in zip(plain, clipped)) > 10 * FP32_ATOL
 
 
+@pytest.mark.slow
 def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world):
     for result in world["resume"]:
         assert result["resumed"] == result["whole"]
@@ -73,6 +76,7 @@ def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world):
         assert lr == [pytest.approx(2e-2)]  # WarmupDecayLR after 2 steps of warmup
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
 @pytest.mark.parametrize("name", list(checks.PARTIAL))
 def test_load_checkpoint_flags_load_what_deepspeeds_load(world, name):
@@ -84,6 +88,7 @@ def test_load_checkpoint_flags_load_what_deepspeeds_load(world, name):
         assert max(abs(a - b) for a, b in zip(losses, ds_losses)) < FP32_ATOL, (losses, ds_losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_config_raises_one_clear_error_on_every_rank(world, name):
     errors = [rank[name] for rank in world["bad"]]

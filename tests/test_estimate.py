@@ -20,7 +20,7 @@ STRATEGIES = list(estimate.STRATEGIES)
 PRECISIONS = [None, "bf16"]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) for n in (2, 4)], ids=lambda n: f"world{n}")
 def measured(request):
     """One world per size: every strategy, fp32 and bf16, one step each."""
     n = request.param

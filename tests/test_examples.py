@@ -77,6 +77,7 @@ def single_device_losses():
     return losses(run_in_process("single_device", *TINY, "--steps", "4", "--batch-size", "4"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp", "offload"])  # zero3: the next test
 def test_two_ranks_print_the_single_device_losses(strategy, single_device_losses):
     if strategy not in tiny_zero.STRATEGIES:
@@ -86,6 +87,7 @@ def test_two_ranks_print_the_single_device_losses(strategy, single_device_losses
     assert two_ranks == pytest.approx(single_device_losses, rel=1e-5, abs=0)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_prints_the_single_device_losses(single_device_losses):
     """example/tensor at 2 ranks is one replica: it takes the whole batch of 4."""
     two_ranks = losses(torchrun("tensor", *TINY, "--steps", "4", "--batch-size", "4"))
@@ -134,6 +136,7 @@ def one_device_and_two_ranks(flags, strategies):
     return single, {Path(s).parent.name: losses(text) for s, text in zip(parts[1::2], parts[2::2])}
 
 
+@pytest.mark.slow
 def test_every_example_trains_the_llama():
     """--model llama-tiny: every strategy on 2 ranks prints the losses of one device."""
     strategies = list(tiny_zero.STRATEGIES)

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +118,7 @@ def wait_for(condition, timeout, what, launched):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_elastic_restart_after_a_killed_worker_resumes_bit_identically(tmp_path):
     flags = [*TINY, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
     with Launched([*TORCHRUN, "--standalone", "--nproc_per_node", "2", script("zero2"), *flags,
@@ -163,6 +165,7 @@ def run_diverging(tmp_path, *flags):
     return status, run.stdout, run.err_path.read_text()
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_naming_the_step(tmp_path):
     status, out, err = run_diverging(tmp_path)
     assert status != 0
@@ -177,6 +180,7 @@ def test_nonfinite_loss_stops_naming_the_step(tmp_path):
     assert sorted(losses(out)) == list(range(int(step.group(1))))  # it stopped there, before any update
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_skips_and_counts(tmp_path):
     status, out, err = run_diverging(tmp_path, "--skip-nonfinite")
     assert status == 0, err[-3000:]
@@ -185,6 +189,7 @@ def test_skip_nonfinite_skips_and_counts(tmp_path):
     assert re.search(rf"^skipped {skipped} steps with a non-finite loss$", out, re.MULTILINE), out
 
 
+@pytest.mark.slow
 def test_a_dead_peer_is_told_where_and_at_once(tmp_path):
     """Rank 1 dies after an optimizer step; rank 0 then calls
     full_state_dict (fsdp: a collective). Two plain processes, not torchrun,

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tiny_zero
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +37,7 @@ def table_rows(text, first_cell):
     return [r for r in rows if re.fullmatch(first_cell, r[0])]
 
 
+@pytest.mark.slow
 def test_gpu_script_on_cpu():
     out = run_tiny()
     assert out.startswith("no GPU (CPU); torch ")
@@ -56,6 +59,7 @@ def test_gpu_script_on_cpu():
     assert "gpt2-large: 17.35 GB" in out
 
 
+@pytest.mark.slow
 def test_gpu_script_runs_what_it_is_asked_with_torch_as_the_baseline():
     """--runs (here through main's runs=): only those, after torch; the command line parses."""
     models = {r[0]: r for r in table_rows(run_tiny(["zero3", "torch_fsdp2"]), "|".join(RUNS))}
@@ -86,6 +90,7 @@ def test_step_summary_reads_kernels_copies_and_idle_time_from_a_trace():
     assert covered([(0, 10), (5, 20), (30, 40), (31, 32)]) == 30
 
 
+@pytest.mark.slow
 def test_profile_script_on_cpu(tmp_path):
     """CPU activity only, a tiny model: a section per run, the summary with
     torch as the baseline, and one step's trace per run, which Perfetto reads
@@ -125,6 +130,7 @@ def test_gpu_check_script_parses_and_runs_its_steps_in_order(tmp_path):
     assert re.findall(r"^(\S+): exit 0", log, re.MULTILINE) == steps, log
 
 
+@pytest.mark.slow
 def test_layers_script_compares_the_same_training():
     """example/benchmark/layers.py: both sides train the same model on the same
     batch (equal losses), torch is its own baseline, every time measured."""
@@ -140,6 +146,7 @@ def test_layers_script_compares_the_same_training():
     assert abs(float(rows["torch"][6]) - float(rows["tiny_zero"][6])) < 1e-4 * float(rows["torch"][6])
 
 
+@pytest.mark.slow
 def test_host_script_times_every_run_on_the_same_training():
     """example/benchmark/host.py: torch, single_device and every strategy at
     world 1 train the same model on the same batch (equal losses), with the
@@ -158,6 +165,7 @@ def test_host_script_times_every_run_on_the_same_training():
     assert max(abs(loss - losses[0]) for loss in losses) < 1e-5 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_units_script_trades_collectives_for_memory_on_the_same_training():
     """example/benchmark/units.py at 2 ranks: zero3 and fsdp with units of a
     block send fewer collectives than with a unit per layer, every run

@@ -256,6 +256,7 @@ def test_peft_lora_trains_and_merges_as_torch(world2):
     assert not failures, "\n".join(failures[:20])
 
 
+@pytest.mark.slow
 def test_every_strategy_trains_hf_models_as_torch_does_world_3():
     results = run_checks(3, "hf_checks", [("parity", "parity", (MODELS, STRATEGIES))])
     failures = parity_failures(results["parity"])
@@ -354,6 +355,7 @@ def byte_llama(tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow
 def test_examples_train_a_saved_hf_model(byte_llama):
     """--model hf:DIR: every strategy on 2 ranks prints the losses of one device."""
     from test_examples import one_device_and_two_ranks

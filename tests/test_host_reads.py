@@ -43,6 +43,7 @@ def test_torch_loop_reads_nothing_on_the_host(precision):
     assert [op for op, _ in reads.reads] == ["aten._local_scalar_dense.default"]
 
 
+@pytest.mark.slow
 def test_strategy_steps_read_nothing_on_the_host():
     found = run_world(2, "host_reads", "strategy_steps", STRATEGIES, [None, "bf16", "fp16"])
     assert found == [[], []], "\n".join(found[0] or found[1])

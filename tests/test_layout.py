@@ -261,6 +261,7 @@ def test_the_reading_order_lists_the_folder_and_the_shared_files_it_imports(name
     assert own | set(shared) <= set(order), f"docs/{name}.md's reading order {order} lacks some of {own} {shared}"
 
 
+@pytest.mark.slow
 def test_one_step_reads_in_a_bounded_number_of_lines_and_files():
     """What one steady step of each data-parallel strategy makes a reader
     follow (tests/reading.py), the files a first reader may skip aside."""

@@ -22,11 +22,13 @@ def world2():
     return run_checks(2, "precision_checks", plan)
 
 
+@pytest.mark.slow
 def test_low_precision_tracks_fp32(world2):
     failures = world2["tracks"]
     assert not [f for rank in failures for f in rank], failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL)
 def test_overflow_on_one_rank_skips_on_all(name, world2):
     for rank, r in enumerate(world2["poisoned", name]):
@@ -36,6 +38,7 @@ def test_overflow_on_one_rank_skips_on_all(name, world2):
         assert r["moved_after"] > 0, (rank, r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL + ["tensor"])
 def test_fp16_ranks_take_the_steps_one_process_takes(name, world2):
     """The same rows on both ranks, the largest scaled grad near 45,000:

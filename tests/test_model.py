@@ -161,6 +161,7 @@ def test_forward_shapes_and_initial_loss(name):
     assert abs(loss.item() - math.log(256)) < 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
 def test_training_lowers_loss(name):
     torch.manual_seed(0)

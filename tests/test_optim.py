@@ -156,6 +156,7 @@ def test_triton_on_cpu_without_interpreter_raises(monkeypatch):
                       kernel="triton")
 
 
+@pytest.mark.slow
 def test_import_and_torch_path_work_without_triton():
     """With `import triton` failing, tiny_zero.optim imports and kernel="auto" runs on the torch path."""
     out = run_python("""
@@ -402,6 +403,7 @@ def test_found_inf_and_step_in_memory(kernel):
     skip_and_step_in_memory_case(37, "cpu", kernel)
 
 
+@pytest.mark.slow
 def test_found_inf_and_step_in_memory_triton():
     """In Triton's interpreter (a subprocess, as above) and, where there is one, on a GPU."""
     pytest.importorskip("triton")

@@ -38,17 +38,20 @@ def check(world2, peer):
         assert not failures, "\n".join(failures[:40])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("peer", ["torch_ddp", "torch_fsdp2"])
 def test_torch_peers_match_tiny_zero(peer, world2):
     check(world2, peer)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install deepspeed)")
 @pytest.mark.parametrize("peer", DEEPSPEED)
 def test_deepspeed_matches_tiny_zero(peer, world2):
     check(world2, peer)
 
 
+@pytest.mark.slow
 def test_benchmark_splits_each_peak_by_what_holds_it(world2):
     """example/benchmark/peers.py's tracker on 2 ranks, fp32: each part of the
     peak is what the peer is known to hold (Ψ parameters, within padding)."""

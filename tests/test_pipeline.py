@@ -49,12 +49,16 @@ def plan(world, root, saves=(), loads=()):
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    """{world: {check: per-rank results}}."""
-    root = tmp_path_factory.mktemp("pipeline")
-    results = {}
-    results[2] = run_checks(2, "pipeline_checks", plan(2, root, saves=[("pipe2", "pipeline", 2), ("zero3", "zero3", None)],
-                                                        loads=[("zero3", "pipeline", 2), ("pipe2", "zero2", None)]) + [
+def root(tmp_path_factory):
+    """Where the worlds save checkpoints for each other to load."""
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def world2(root):
+    """{check: per-rank results} at world 2 (the quick tier)."""
+    return run_checks(2, "pipeline_checks", plan(2, root, saves=[("pipe2", "pipeline", 2), ("zero3", "zero3", None)],
+                                                 loads=[("zero3", "pipeline", 2), ("pipe2", "zero2", None)]) + [
         ("stage only", "holds_its_stage_only", ()),
         ("loops 1f1b", "training_loops", ("1f1b",)),
         ("loops gpipe", "training_loops", ("gpipe",)),
@@ -65,7 +69,12 @@ def worlds(tmp_path_factory):
         ("several tensors", "several_tensors", ([("gpipe", 2, [1, 3]), ("1f1b", 2, [3, 1])],)),
         ("no parameters", "stage_without_parameters", (str(root),)),
         ("hf llama", "hf_llama", (2,))])
-    results[4] = run_checks(4, "pipeline_checks", plan(
+
+
+@pytest.fixture(scope="module")
+def world4(root, world2):
+    """At world 4; it loads what world 2 saved."""
+    return run_checks(4, "pipeline_checks", plan(
         4, root, saves=[("pipe2x2", "pipeline", 2)],
         loads=[("pipe2", "pipeline", 4), ("pipe2", "pipeline", 2), ("pipe2", "fsdp", None)]) + [
         ("loops 2x2", "training_loops", ("1f1b", 2)),
@@ -75,16 +84,35 @@ def worlds(tmp_path_factory):
                                                  ("1f1b", 2, [2, 2])],)),
         ("no parameters", "stage_without_parameters", (str(root),)),
         ("hf llama", "hf_llama", (2,))])
-    results[3] = run_checks(3, "pipeline_checks", plan(
+
+
+@pytest.fixture(scope="module")
+def world3(root, world4):
+    """At world 3; it loads what world 4 saved."""
+    return run_checks(3, "pipeline_checks", plan(
         3, root, loads=[("pipe2x2", "pipeline", 3), ("pipe2x2", "ddp", None)]))
-    return results
+
+
+@pytest.fixture
+def worlds(request):
+    """{world: {check: per-rank results}}, for the worlds a test names in its
+    `world` parameter: world 2 alone in the quick tier, 3 and 4 in the full grid."""
+    world = request.getfixturevalue("world") if "world" in request.fixturenames else 2
+    return {world: request.getfixturevalue(f"world{world}")}
+
+
+def slow_beyond_2(*cases):
+    """Parameters of world 3 and 4 (the first of each case) go to the full grid."""
+    return [case if (case[0] if isinstance(case, tuple) else case) == 2
+            else pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.slow)
+            for case in cases]
 
 
 def failures(per_rank):
     return [f for rank in per_rank for f in rank]
 
 
-@pytest.mark.parametrize("world, stages", [(2, None), (3, None), (4, None), (4, 2)])
+@pytest.mark.parametrize("world, stages", slow_beyond_2((2, None), (3, None), (4, None), (4, 2)))
 def test_parity_with_torch(worlds, world, stages):
     per_rank = worlds[world][f"parity S={stages}"]
     problems = failures(f for f, _ in per_rank)
@@ -93,7 +121,7 @@ def test_parity_with_torch(worlds, world, stages):
           f"{max(largest for _, largest in per_rank):.2e}")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", slow_beyond_2(2, 4))
 def test_clipped_parity_and_global_norm(worlds, world):
     problems = failures(f for f, _ in worlds[world]["clipped"])
     assert not problems, "\n".join(problems[:30])
@@ -104,7 +132,7 @@ def test_a_rank_materialises_its_stage_only_and_tied_copies_agree(worlds):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("world, check", [(2, "loops 1f1b"), (2, "loops gpipe"), (4, "loops 2x2")])
+@pytest.mark.parametrize("world, check", slow_beyond_2((2, "loops 1f1b"), (2, "loops gpipe"), (4, "loops 2x2")))
 def test_torch_training_loop_semantics(worlds, world, check):
     problems = failures(worlds[world][check])
     assert not problems, "\n".join(problems[:30])
@@ -115,7 +143,7 @@ def test_grads_and_state_dicts(worlds):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", slow_beyond_2(2, 4))
 def test_stages_pass_tuples_and_dicts_of_tensors(worlds, world):
     """A tuple and a dict (ints, a bool, None, a float sent forward only)
     between stages, a stage without parameters whose output is a transpose,
@@ -125,13 +153,13 @@ def test_stages_pass_tuples_and_dicts_of_tensors(worlds, world):
     assert not problems, "\n".join(problems[:30])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", slow_beyond_2(2, 4))
 def test_a_stage_without_parameters_trains_and_saves(worlds, world):
     problems = failures(worlds[world]["no parameters"])
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", slow_beyond_2(2, 4))
 def test_a_hugging_face_llama_cut_by_layers_trains_as_torch(worlds, world):
     """pipeline_stages(llama, 2): 2 stages at world 2, 2 stages × 2 replicas
     at world 4; grouped-query attention, rotary, a tied and an untied head;
@@ -145,13 +173,13 @@ def test_mixed_precision_follows_fp32(worlds):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("world", [2, 4, 3])
+@pytest.mark.parametrize("world", slow_beyond_2(2, 4, 3))
 def test_checkpoints_move_between_pipelines_strategies_and_world_sizes(worlds, world):
     problems = failures(worlds[world]["checkpoints"])
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", slow_beyond_2(2, 3, 4))
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_clear_errors_on_every_rank_before_any_collective(worlds, world, case):
     for rank, messages in enumerate(worlds[world]["errors"]):
@@ -159,7 +187,7 @@ def test_clear_errors_on_every_rank_before_any_collective(worlds, world, case):
         assert re.search(expected, messages[case]), (rank, messages[case])
 
 
-@pytest.mark.parametrize("world, microbatches", [(2, 4), (4, 6)])
+@pytest.mark.parametrize("world, microbatches", slow_beyond_2((2, 4), (4, 6)))
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_live_activations_are_the_schedules(worlds, world, microbatches, schedule):
     """Measured: 1F1B holds min(S - s, M) micro-batches' activations on stage
@@ -241,6 +269,7 @@ def test_the_example_gpt_as_a_sequential_is_the_gpt():
     assert all(torch.equal(v, seq.state_dict()[k]) for k, v in other.state_dict().items())
 
 
+@pytest.mark.slow
 def test_the_example_prints_the_single_device_losses():
     """torchrun --nproc_per_node 2 example/pipeline/train.py: two stages, the
     batch of one device, its losses (rtol 1e-5), GPipe and 1F1B alike; and

@@ -8,6 +8,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import run_world  # noqa: E402
 
 
+@pytest.mark.slow
 def test_misuse_raises_on_every_rank():
     for errors in run_world(2, "reliability_checks", "misuse", timeout=60):
         assert "already wrapped by Zero2" in errors["wrap twice"]
@@ -20,6 +21,7 @@ def test_misuse_raises_on_every_rank():
     ("zero3", "the agreement on the layer to gather in forward", "emb forward"),  # before the first gather
     ("ddp", "the agreement on this backward pass", "head backward"),  # before the first bucket is sent
 ])
+@pytest.mark.slow
 def test_a_skipped_forward_times_out_naming_the_collective(name, collective, where):
     message, seconds = run_world(2, "reliability_checks", "skipped_forward", name, timeout=60)[0]
     assert message.startswith(collective), message

@@ -82,6 +82,7 @@ def per_example(stdout):
     return {script: losses(text) for script, text in zip(parts[1::2], parts[2::2])}
 
 
+@pytest.mark.slow
 def test_two_nodes_of_two_train_as_one_run_of_four(tmp_path):
     examples = [str(ROOT / "example" / strategy / "train.py") for strategy in ("zero3", "fsdp")]
     check = [str(ROOT / "tests" / "local_rank_check.py"), *examples, "--", *TINY]
@@ -140,6 +141,7 @@ def test_ranks_beyond_the_gpus_all_run_on_the_cpu(monkeypatch, capfd, local_rank
     assert said == (expected if local_rank == 0 else [])
 
 
+@pytest.mark.slow
 def test_gpt2_xl_as_one_of_8_ranks():
     """zero3's partition is balanced to 0.03% at 8 ranks, and the most loaded
     rank holds 4 B of parameters and 8 B of AdamW moments per element it owns
@@ -161,6 +163,7 @@ def test_gpt2_xl_as_one_of_8_ranks():
     assert state == pytest.approx(16 * b["numel"] / world * b["max_over_mean"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_soak_100_steps_of_every_strategy_keeps_memory_flat():
     from scale_checks import WARMUP
     steps = 100

@@ -76,7 +76,7 @@ def test_bad_input_raises_on_every_rank(case, message, world2):
     assert all(e is not None and re.search(message, e) for e in errors), errors
 
 
-@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("world", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_meta_init_and_pieces(world):
     """Meta-built and wrapped equals normally built, exactly (zero3, fsdp);
     and model.pieces(), which checkpoints rely on, covers every element once
@@ -87,6 +87,7 @@ def test_meta_init_and_pieces(world):
         assert per_rank == [[]] * world, (key, per_rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero3", "fsdp"])
 def test_gpt2_xl_on_meta_never_allocates_the_model(name):
     """World 4, rank 1: what the rank ever held is its share plus at most one

@@ -20,8 +20,13 @@ FLOAT_BYTES = 4
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tensor")
+def root(tmp_path_factory):
+    """Where the worlds save checkpoints for each other to load."""
+    return tmp_path_factory.mktemp("tensor")
+
+
+@pytest.fixture(scope="module")
+def world4(root):
     return root, run_checks(4, "tensor_checks", [
         ("parity4", "parity", (4, ["plain", "clip", "no_sync"])),
         ("parity2x2", "parity", (2, ["plain", "eps1", "clip", "no_sync"])),
@@ -39,8 +44,13 @@ def world3(world4):
 
 
 @pytest.fixture(scope="module")
-def world2(world3, world4):
-    root, _ = world4
+def back2(root, world3):
+    """World 2 loads what fsdp at world 3 saved."""
+    return run_checks(2, "tensor_checks", [("back", "load_back", (str(root), 2))])
+
+
+@pytest.fixture(scope="module")
+def world2():
     from example.tensor.train import PLAN as GPT_PLAN
     return run_checks(2, "tensor_checks", [
         ("parity2", "parity", (2, ["plain", "eps1", "clip", "no_sync"])),
@@ -53,7 +63,6 @@ def world2(world3, world4):
         ("precision", "precision", (2,)),
         ("gpt", "example_gpt", (GPT_PLAN, False)),
         ("gpt_checkpointed", "example_gpt", (GPT_PLAN, True)),
-        ("back", "load_back", (str(root), 2)),
         ("bad", "bad_plans", ()),
         ("refused", "refused_plans", ()),
         ("llama", "llama_megatron", ()),
@@ -65,6 +74,7 @@ def no_failures(per_rank):
     assert not failures, "\n".join(failures[:30])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["parity4", "parity2x2"])
 def test_parity_at_world_4(world4, key):
     """tp 4, and tp 2 x 2 replicas: losses within rtol 1e-5 and every parameter
@@ -109,11 +119,17 @@ def formula(tokens, held, buckets, replicas, bytes_per=FLOAT_BYTES):
     return dict(forward=forward, backward=backward, after=after)
 
 
-@pytest.mark.parametrize("world,key", [(4, "comm4"), (4, "comm2x2"), (2, "comm2")])
-def test_communication_is_the_formula(world, key, world4, world2):
+def results(request, world):
+    """The checks of the world a test names: world 2 in the quick tier, world 4 in the full grid."""
+    return request.getfixturevalue("world4")[1] if world == 4 else request.getfixturevalue("world2")
+
+
+@pytest.mark.parametrize("world,key", [pytest.param(4, "comm4", marks=pytest.mark.slow),
+                                       pytest.param(4, "comm2x2", marks=pytest.mark.slow), (2, "comm2")])
+def test_communication_is_the_formula(world, key, request):
     """Calls and bytes of every collective, in forward, backward and after,
     on every rank, exactly."""
-    per_rank = (world4[1] if world == 4 else world2)[key]
+    per_rank = results(request, world)[key]
     for rank, r in enumerate(per_rank):
         want = formula(r["tokens"], r["held"], r["buckets"], r["replicas"])
         got = {part: r[part] for part in ("forward", "backward", "after")}
@@ -141,16 +157,17 @@ def test_memory_is_one_T_of_the_planned_weights(world2):
         print(f"rank {rank}: tensor {sum(r['held']['tensor'].values())} bytes, ddp {sum(r['held']['ddp'].values())}")
 
 
-@pytest.mark.parametrize("world,key", [(4, "pieces2x2"), (2, "pieces2")])
-def test_pieces_cover_every_element_once(world, key, world4, world2):
-    no_failures((world4[1] if world == 4 else world2)[key])
+@pytest.mark.parametrize("world,key", [pytest.param(4, "pieces2x2", marks=pytest.mark.slow), (2, "pieces2")])
+def test_pieces_cover_every_element_once(world, key, request):
+    no_failures(results(request, world)[key])
 
 
-def test_checkpoint_goes_round(world4, world3, world2):
+@pytest.mark.slow
+def test_checkpoint_goes_round(world4, world3, back2):
     """tp 2 x 2 saves; its own resume is bit-identical; fsdp at 3 ranks loads
     it and trains on as torch does, and saves; tp 2 loads that and trains on
     as torch does."""
-    no_failures(world4[1]["checkpoint"] + world3["fsdp"] + world2["back"])
+    no_failures(world4[1]["checkpoint"] + world3["fsdp"] + back2["back"])
 
 
 @pytest.mark.parametrize("case,message", [

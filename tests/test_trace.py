@@ -34,6 +34,7 @@ def recorded(world2, name):
     return results[:1] if name == "single_device" else results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_trace_holds_exactly_the_collectives_comm_counted(name, world2):
     for result in recorded(world2, name):
@@ -58,6 +59,7 @@ def nesting_problems(events):
     return problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_spans_are_well_formed(name, world2):
     traces = recorded(world2, name)[0]["traces"]
@@ -86,6 +88,7 @@ def test_a_crossing_span_is_caught():
     assert nesting_problems([a, {"name": "b", "ts": 5, "dur": 10}])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_memory_curve_peak_is_the_breakdowns_peak(name, world2):
     for result in recorded(world2, name):
@@ -97,6 +100,7 @@ def test_memory_curve_peak_is_the_breakdowns_peak(name, world2):
         assert all(sum(s.values()) <= size for _, s in mine["memory"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_recording_changes_no_number(name, world2):
     for with_, without in zip(recorded(world2, name), world2["unrecorded", name]):
@@ -106,6 +110,7 @@ def test_recording_changes_no_number(name, world2):
             assert torch.equal(value, without["params"][key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
 def test_chrome_json_is_a_valid_trace(name, world2, tmp_path):
     traces = recorded(world2, name)[0]["traces"]
@@ -129,6 +134,7 @@ def test_chrome_json_is_a_valid_trace(name, world2, tmp_path):
     assert [t["memory"] for t in read_back] == [t["memory"] for t in traces]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "zero2"])
 def test_communication_overlaps_compute(name, world2):
     summary = trace.summary(recorded(world2, name)[0]["traces"])
@@ -148,6 +154,7 @@ def test_overlap_is_computed_from_the_spans():
     assert trace.summary([one_rank([], [])])["hidden"] is None
 
 
+@pytest.mark.slow
 def test_pictures_are_drawn(world2, tmp_path):
     pytest.importorskip("matplotlib")
     from tiny_zero.measure import draw
@@ -179,6 +186,7 @@ def test_single_device_example_records_a_step(tmp_path, monkeypatch):
     assert 'pip install -e ".[plot]", then python -m tiny_zero.measure.draw' in out
 
 
+@pytest.mark.slow
 def test_two_ranks_record_a_step_and_train_alike(tmp_path):
     from test_examples import TINY, losses, run_in_process, torchrun
     one_device = losses(run_in_process("single_device", *TINY, "--steps", "4", "--batch-size", "4"))
