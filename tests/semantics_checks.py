@@ -909,8 +909,8 @@ def clipping_as_torch(name):
     model, opt = make_tiny(name)
     for step in range(3):
         norms = []
-        for m, o, clip in ((ref, ref_opt, lambda: nn.utils.clip_grad_norm_(ref.parameters(), 0.3)),
-                           (model, opt, lambda: model.clip_grad_norm_(0.3))):
+        for m, o, clip in ((ref, ref_opt, lambda max_norm=0.3: nn.utils.clip_grad_norm_(ref.parameters(), max_norm)),
+                           (model, opt, lambda max_norm=0.3: model.clip_grad_norm_(max_norm))):
             run_loop(m, o, "plain", step, distributed=m is model)
             norms.append(clip())
             if step == 1 and name == "ddp":  # p.grad shows the grads: an edit in place sees them clipped
@@ -918,6 +918,7 @@ def clipping_as_torch(name):
                     if p.grad is not None:
                         p.grad.add_(0.01)  # not a multiple: it does not commute with the clip
             norms.append(clip())  # the second: of the clipped grads
+            norms.append(clip(100.0))  # a max_norm above the norm changes nothing
             if step == 2:
                 run_loop(m, o, "plain", step + 10, distributed=m is model)  # added to the clipped grads
             o.step()
@@ -925,7 +926,7 @@ def clipping_as_torch(name):
                 o.step()  # with the same, clipped, grads
             else:
                 o.zero_grad()  # step 0's grads carry into step 1, clipped
-        for mine, torchs in zip(norms[2:], norms[:2]):
+        for mine, torchs in zip(norms[3:], norms[:3]):
             if abs(mine.item() - torchs.item()) > ATOL + RTOL * torchs.item():
                 failures.append(f"{where} step {step}: grad norm {mine.item()} vs torch {torchs.item()}")
         failures += differs_from_torch(f"{where} step {step}", model, ref)
