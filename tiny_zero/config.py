@@ -29,6 +29,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 class Config:
     world_size: int
     strategy: str = "ddp"
+    stage: int = 0  # zero_optimization.stage
     train_batch_size: int = 0
     micro_batch: int = 0
     accumulation: int = 1  # gradient_accumulation_steps
@@ -213,7 +214,7 @@ def read_zero(zero, c):
     stage = zero.get("stage", 0)
     if stage not in STAGES:
         raise ValueError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
-    c.strategy = STAGES[stage]
+    c.strategy, c.stage = STAGES[stage], stage
     c.changed.append(("zero_optimization.stage", f"{stage}: tiny_zero.{c.strategy}"))
     if offload_device(zero, "offload_optimizer", "cpu_offload", OFFLOAD, c) == "cpu":
         if stage not in (1, 2):
@@ -253,9 +254,8 @@ def offload_device(zero, key, old_key, known, c):
 
 
 def read_optimizer(section, c):
-    if section is None:
-        raise ValueError("DeepSpeed config: no optimizer; tiny_zero.initialize builds its AdamW from the "
-                         "config's \"optimizer\" (type Adam or AdamW)")
+    if section is None:  # the script passes its own: initialize(optimizer=...)
+        return
     sort_keys(section, OPTIMIZER, "optimizer.", c)
     kind = str(section.get("type", "")).lower()
     if kind not in ("adam", "adamw"):
