@@ -8,7 +8,6 @@ import importlib.util
 import math
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ sys.path.insert(0, str(ROOT))
 from harness import run_checks  # noqa: E402
 
 import deepspeed_checks as checks  # noqa: E402
-from tiny_zero import config_keys as keys  # noqa: E402
 from tiny_zero.config import read_config  # noqa: E402
 from tiny_zero.lr_schedules import SCHEDULES  # noqa: E402
 
@@ -52,6 +50,7 @@ def world(tmp_path_factory):
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
 @pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_every_micro_step_loss_matches_deepspeed(world, name):
     """The configs of deepspeed_checks.py, and CLIENTS': configs without an optimizer, run with the script's
     own torch.optim.AdamW or Adam (param groups, a schedule object), as DeepSpeed takes them."""
@@ -64,6 +63,7 @@ def test_every_micro_step_loss_matches_deepspeed(world, name):
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_clipping_moves_the_losses_more_than_the_tolerance(world):
     """Else a missing clip would pass the comparison."""
     runs = world["compare"][0]
@@ -71,6 +71,7 @@ def test_clipping_moves_the_losses_more_than_the_tolerance(world):
     assert max(abs(a - b) for a, b in zip(plain, clipped)) > 10 * FP32_ATOL
 
 
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world):
     for result in world["resume"]:
         assert result["resumed"] == result["whole"]
@@ -83,6 +84,7 @@ def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world):
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
 @pytest.mark.parametrize("name", list(checks.PARTIAL))
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_load_checkpoint_flags_load_what_deepspeeds_load(world, name):
     """load_optimizer_states, load_lr_scheduler_states and load_module_only:
     the counters, the lr and the losses after the load are DeepSpeed's."""
@@ -93,6 +95,7 @@ def test_load_checkpoint_flags_load_what_deepspeeds_load(world, name):
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_engine_api_answers_as_deepspeeds(world):
     """zero_optimization_stage, fp16_enabled, bfloat16_enabled, local_rank, was_step_applied and
     get_global_grad_norm at every micro-step, and the weights save_16bit_model writes."""
@@ -109,6 +112,7 @@ def test_engine_api_answers_as_deepspeeds(world):
             assert torch.allclose(value, theirs["weights"][key], atol=1e-5), key
 
 
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_deepspeed_comm_names_and_loader_collate_fn(world):
     for rank, result in enumerate(world["comm"]):
         assert result["rank"] == (rank, 2, rank)
@@ -117,6 +121,7 @@ def test_deepspeed_comm_names_and_loader_collate_fn(world):
         assert result["bf16"] == (True, False, 2)
 
 
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_client_optimizers_that_cannot_be_taken_are_refused_by_name(world):
     for errors in world["bad_clients"]:
         assert "torch.optim.sgd.SGD is not supported" in errors["sgd"]
@@ -138,6 +143,7 @@ def test_add_config_arguments_and_initialize_without_a_process_group():
 
 
 @pytest.mark.parametrize("name", list(BAD))
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_bad_config_raises_one_clear_error_on_every_rank(world, name):
     errors = [rank[name] for rank in world["bad"]]
     assert errors[0] is not None and errors[0] == errors[1], errors
@@ -275,98 +281,3 @@ def test_training_data_becomes_micro_batches_of_this_ranks_share():
     dataset = torch.utils.data.TensorDataset(torch.arange(10))
     batches = [b[0].tolist() for b in data_loader(dataset, settings, rank=1, world_size=2)]
     assert [len(b) for b in batches] == [checks.MICRO] * 2  # 5 of the 10: the last, short, batch dropped
-
-
-# ---------------------------------------------------------------- every key DeepSpeed reads
-
-
-def deepspeeds_keys(monkeypatch):
-    """{level: the keys DeepSpeed 0.19 reads there}: the top level as DeepSpeedConfig asks for its keys
-    (a dict that records every key asked for), the sections as their pydantic models name them, aliases too."""
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    import deepspeed.runtime.config as ds_config
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                       DeepSpeedZeroOffloadParamConfig)
-
-    class Asked(dict):
-        asked = set()
-
-        def get(self, key, *default):
-            self.asked.add(key)
-            return dict.get(self, key, *default)
-
-        def __getitem__(self, key):
-            self.asked.add(key)
-            return dict.__getitem__(self, key)
-
-        def __contains__(self, key):
-            self.asked.add(key)
-            return dict.__contains__(self, key)
-
-        def keys(self):  # `key in config.keys()` is asked too
-            return self
-    # a world of one, so that DeepSpeedConfig reads sequence_parallel_size as under a launcher
-    monkeypatch.setattr(ds_config, "dist", SimpleNamespace(get_rank=lambda: 0, get_world_size=lambda *_: 1))
-    ds_config.DeepSpeedConfig(Asked(train_batch_size=1))
-
-    def fields(model):
-        return {name for key, f in model.model_fields.items() for name in (key, f.alias) if name}
-    return {"": Asked.asked, "zero_optimization.": fields(DeepSpeedZeroConfig) | set(ds_config._REMOVED_ZERO_CONFIG_KEYS),
-            "zero_optimization.offload_optimizer.": fields(DeepSpeedZeroOffloadOptimizerConfig),
-            "zero_optimization.offload_param.": fields(DeepSpeedZeroOffloadParamConfig),
-            "fp16.": fields(DeepSpeedFP16Config), "bf16.": fields(DeepSpeedBF16Config)}
-
-
-OURS = {"": keys.TOP, "zero_optimization.": keys.ZERO, "zero_optimization.offload_optimizer.": keys.OFFLOAD,
-        "zero_optimization.offload_param.": keys.OFFLOAD_PARAM, "fp16.": keys.FP16, "bf16.": keys.BF16}
-OLDER = {"moe"}  # keys of older DeepSpeeds that 0.19 no longer reads
-
-
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
-def test_every_key_deepspeed_reads_is_accounted_for(monkeypatch):
-    """Each key DeepSpeed reads is read here, has a no-effect line, an alias, or a refusal with its reason."""
-    theirs = deepspeeds_keys(monkeypatch)
-    assert len(theirs[""]) > 50 and len(theirs["zero_optimization."]) > 40  # the spying worked
-    for level, known in OURS.items():
-        assert sorted(theirs[level] - set(known)) == [], level
-        assert set(known) - theirs[level] <= OLDER, level
-
-
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
-def test_each_section_key_at_deepspeeds_default_reads_or_is_refused_by_name(monkeypatch):
-    """A config holding a key at the value DeepSpeed defaults it to: read, or one ValueError that names it."""
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for section, model in (("zero", DeepSpeedZeroConfig), ("fp16", DeepSpeedFP16Config), ("bf16", DeepSpeedBF16Config)):
-        for key, f in model.model_fields.items():
-            default = None if f.is_required() else f.get_default(call_default_factory=True)
-            default = default if isinstance(default, (bool, int, float, str, type(None))) else None
-            for name in {key, f.alias} - {None}:
-                cfg = checks.config(3 if section == "zero" else 0, **{section: {name: default}})
-                try:
-                    read_config(cfg, 2)
-                except ValueError as e:
-                    assert name in str(e), (name, str(e))
-
-
-def test_real_keys_that_were_refused_are_read():
-    def settings(**extra):
-        return read_config(checks.config(**extra), 2)
-    assert settings(bfloat16={"enabled": True}).mixed_precision == "bf16"  # DeepSpeed's other name of bf16
-    assert settings(stage=2, zero={"cpu_offload": True}).strategy == "offload"
-    assert settings(stage=2, zero={"offload_param": None, "offload_optimizer": None}).strategy == "zero2"
-    assert settings(stage=3, zero={"stage3_gather_fp16_weights_on_model_save": True}).strategy == "fsdp"
-    assert settings(stage=3, zero={"prefetch_bucket_size": 10}).strategy == "fsdp"
-    assert "fp16.fp16_master_weights_and_grads" in dict(settings(fp16={"enabled": False,
-                                                                       "fp16_master_weights_and_grads": True}).no_effect)
-    for key in ("hybrid_engine", "compile", "torch_autocast", "sequence_parallel_size", "weight_quantization"):
-        off = {"hybrid_engine": {"enabled": True}, "sequence_parallel_size": 1}.get(key, {})
-        settings(**{key: off})
-    for key in ("nebula", "eigenvalue", "progressive_layer_drop", "quantize_training"):
-        with pytest.raises(ValueError, match=f"{key} .*DeepSpeed 0.19 has removed it too"):
-            settings(**{key: {"enabled": True}})
-    with pytest.raises(ValueError, match="zero_optimization.offload_param.device = 'cpu'"):
-        settings(stage=3, zero={"offload_param": {"device": "cpu"}})

@@ -47,12 +47,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None):
     """DeepSpeed's initialize, its arguments in its order: returns (engine, optimizer, dataloader, lr_scheduler).
-    `config` (or DeepSpeed's older `config_params`, or args.deepspeed_config): DeepSpeed's JSON config, a dict
+    `config` (or config_params, args.deepspeed_config, args.deepscale_config): DeepSpeed's JSON config, a dict
     or a path. distributed_port has no effect: the process group comes from torchrun's environment."""
     if mpu is not None or mesh_param is not None:
         raise ValueError("tiny_zero.initialize: mpu and mesh_param (model-parallel groups) are not supported: the "
                          "engine is data parallel over every rank (tiny_zero.tensor and tiny_zero.pipeline are apart)")
-    config = next((c for c in (config, config_params, getattr(args, "deepspeed_config", None)) if c is not None), None)
+    given = (config, config_params, getattr(args, "deepspeed_config", None), getattr(args, "deepscale_config", None))
+    config = next((c for c in given if c is not None), None)
     if config is None or model is None:
         raise ValueError("tiny_zero.initialize needs model= and config= (a dict or a JSON file), "
                          "or args.deepspeed_config")

@@ -9,12 +9,15 @@ against what the wrappers allocate and send); the number of each collective
 is the number of buckets or units that the same partitioning makes.
 """
 import argparse
+import importlib
 import sys
+from pathlib import Path
 
 import torch
 
 from .buckets import make_buckets
 from .config import read_config
+from .materialize import meta_parameters
 from .measure import estimate
 
 GRAD_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce")  # in the reduce dtype; the others in the parameters'
@@ -23,9 +26,26 @@ GRAD_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce")  # in the reduce d
 def build_module(name):
     """An example model (example/model.py) or hf:DIR (a Hugging Face config), on the meta device."""
     if name.startswith("hf:"):
-        from example import hf
-        return hf.build(name[3:])
+        return build_hf(name[3:])
+    checkout = Path(__file__).resolve().parents[1]  # example/ sits beside tiny_zero/ in a checkout
+    if importlib.util.find_spec("example") is None and (checkout / "example").is_dir():
+        sys.path.append(str(checkout))  # run from another directory (or tiny_zero installed from the checkout)
     return estimate.build_meta(name)
+
+
+def build_hf(directory):
+    """The model that save_pretrained wrote in `directory`, from its config.json alone, on the meta device:
+    any vocabulary (only the examples, which feed bytes, need 256 tokens). transformers is needed here,
+    for its model classes; tiny_zero's wrappers never import it."""
+    if not (Path(directory) / "config.json").is_file():
+        raise ValueError(f"--model hf:{directory}: no config.json there (a directory save_pretrained wrote)")
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError:
+        raise SystemExit('error: --model hf:DIR needs transformers (pip install -e ".[hf]")') from None
+    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    with meta_parameters():
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def collective_counts(module, strategy, world_size, mixed_precision, bucket_bytes):
