@@ -55,7 +55,10 @@ CONFIGS = {  # name: the config; each compared loss by loss
     "stage1_accumulate": config(1, eps=1.0, gradient_accumulation_steps=2, scheduler=WARMUP),
     "stage2_clip_decay": config(2, gradient_clipping=0.1, scheduler=DECAY),
     "stage3_accumulate_clip": config(3, gradient_accumulation_steps=2, gradient_clipping=0.1, scheduler=DECAY),
+    "stage2_accumulate": config(2, eps=1.0, gradient_accumulation_steps=2),
     "offload_clip": config(2, zero=OFFLOAD, gradient_clipping=0.1, zero_force_ds_cpu_optimizer=False),
+    "offload_accumulate_bf16": config(2, zero=OFFLOAD, gradient_accumulation_steps=2, bf16={"enabled": True},
+                                      zero_force_ds_cpu_optimizer=False),
     "bf16": config(2, bf16={"enabled": True}, gradient_clipping=0.1),
 }
 
@@ -272,3 +275,42 @@ def bad_clients():
         except ValueError as e:
             errors[name] = str(e)
     return errors
+
+
+class Wide(Net):
+    """Net, wider: 101,184 parameters, so that a rank's grads (404,736 bytes whole) stand out."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        torch.manual_seed(0)
+        self.emb, self.ln = nn.Embedding(VOCAB, 128), nn.LayerNorm(128)
+        self.fc1, self.fc2 = nn.Linear(128, 512), nn.Linear(512, VOCAB * 4)
+
+
+def grads_between_micro_steps(library, stage):
+    """(bytes of grads a rank holds after the first micro-step of a step, {collective: calls} of the
+    whole step). TensorMemory counts what the micro-step made and left alive, with the grad buffers
+    that outlive a step (tiny_zero's shard; DeepSpeed's stage-3 flat partition) tracked before it."""
+    from tiny_zero.measure.memory import TensorMemory
+    model = Wide()
+    engine, _, _, _ = library.initialize(model=model, model_parameters=model.parameters(),
+                                         config=config(stage, gradient_accumulation_steps=2))
+    train(engine, 2)  # a whole step first: what a step allocates once is there
+    kept = list(engine.wrapper.grads.values()) if library is tiny_zero else [
+        getattr(engine.optimizer, "grad_partitions_flat_buffer", None)]
+    tiny_zero.comm.stats.reset()
+    with TensorMemory() as memory:
+        memory.track([t for t in kept if t is not None])
+        train(engine, 1, first=2)
+        held = memory.current
+    train(engine, 1, first=3)
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    return held, dict(tiny_zero.comm.stats.calls)
+
+
+def accumulation():
+    """{(library, stage): grads_between_micro_steps} at stages 2 and 3."""
+    deepspeed = import_deepspeed()
+    return {(library.__name__, stage): grads_between_micro_steps(library, stage)
+            for stage in (2, 3) for library in (deepspeed, tiny_zero)}

@@ -45,6 +45,7 @@ def world(tmp_path_factory):
         plan.append(("compare", "compare", (list(RUNS),)))
         plan.append(("partial", "partial_loads", (str(tmp_path_factory.mktemp("partial")),)))
         plan.append(("api", "engine_api", (str(tmp_path_factory.mktemp("api")),)))
+        plan.append(("accumulation", "accumulation", ()))
     return run_checks(2, "deepspeed_checks", plan, timeout=600)
 
 
@@ -281,3 +282,20 @@ def test_training_data_becomes_micro_batches_of_this_ranks_share():
     dataset = torch.utils.data.TensorDataset(torch.arange(10))
     batches = [b[0].tolist() for b in data_loader(dataset, settings, rank=1, world_size=2)]
     assert [len(b) for b in batches] == [checks.MICRO] * 2  # 5 of the 10: the last, short, batch dropped
+
+
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulation_keeps_the_grads_sharded_as_deepspeed(world, stage):
+    """Between micro-steps a rank holds its shard of the grads (half of 404,736 bytes at world 2), no
+    more than DeepSpeed; and the step sends what explain counts, its micro-steps included."""
+    from tiny_zero import explain
+    whole = 4 * sum(p.numel() for p in checks.Wide().parameters())
+    settings = read_config(checks.config(stage, gradient_accumulation_steps=2), 2)
+    sent = explain.step_collectives(checks.Wide(), settings, settings.bucket_bytes() if settings.bucket_elements
+                                    else explain.estimate.DEFAULT_BUCKET_BYTES)
+    for result in world["accumulation"]:
+        (ours, calls), (theirs, _) = result["tiny_zero", stage], result["deepspeed", stage]
+        assert ours <= theirs and ours <= whole / 2 * 1.01, (ours, theirs, whole)
+        assert {kind: calls[kind] for kind in sent} == {kind: count for kind, (count, _) in sent.items()}

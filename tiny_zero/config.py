@@ -158,8 +158,9 @@ def read_batch(raw, c):
     c.train_batch_size, c.micro_batch, c.accumulation = batch, micro, acc
     c.changed.append(("train_batch_size", f"{batch} = {micro} per rank x {acc} micro-steps x {n} ranks"))
     if acc > 1:
-        c.changed.append(("gradient_accumulation_steps", f"{acc}: engine.backward divides the loss by {acc}; "
-                          f"the first {acc - 1} backward passes of a step run in model.no_sync()"))
+        c.changed.append(("gradient_accumulation_steps", f"{acc}: engine.backward divides the loss by {acc}; at "
+                          "stages 2 and 3 every micro-step reduce-scatters its grads into the rank's shard, at 0 "
+                          f"and 1 the first {acc - 1} backward passes of a step run in model.no_sync()"))
 
 
 def without_auto(section, prefix, c):

@@ -166,11 +166,14 @@ class Engine(nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
-        """loss / gradient_accumulation_steps, backward; the grads are averaged over
-        the ranks only at the boundary (the micro-steps before it run in no_sync)."""
+        """loss / gradient_accumulation_steps, backward. As DeepSpeed's: at stages 2 and 3 every
+        micro-step reduce-scatters its grads into this rank's shard, where they add up, so that a rank
+        holds 1/N of the grads between micro-steps; at stages 0 and 1 the micro-steps before the
+        boundary keep the full grads (no_sync) and the boundary's backward averages their sum."""
         if scale_wrt_gas and self.settings.accumulation > 1:
             loss = loss / self.settings.accumulation
-        quiet = nullcontext() if self.is_gradient_accumulation_boundary() else self.wrapper.no_sync()
+        local = self.settings.stage < 2 and not self.is_gradient_accumulation_boundary()
+        quiet = self.wrapper.no_sync() if local else nullcontext()
         with quiet:
             loss.backward(retain_graph=retain_graph)
         return loss

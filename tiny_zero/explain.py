@@ -82,25 +82,53 @@ def held_lines(module, c):
     if c.strategy == "offload":
         where = estimate.placement(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)[0]
         lines.append(f"  on the device {size(where['device'])}; in host memory {size(where['host'])}")
+    if c.accumulation > 1:
+        lines.append(accumulation_line(module, c, held["gradients"]))
     return lines, bucket_bytes
+
+
+def accumulation_line(module, c, shard):
+    """The grads a rank holds between micro-steps: its shard at stages 2 and 3 (each micro-step
+    reduce-scatters into it), the whole model's at stages 0 and 1 (reduced at the boundary)."""
+    if c.stage >= 2:
+        return (f"  between micro-steps the grads stay in the shard, {size(shard)}: every micro-step "
+                "reduce-scatters into it, as DeepSpeed's stages 2 and 3")
+    p, _ = estimate.element_bytes(c.mixed_precision)
+    whole = p * sum(q.numel() for q in module.parameters() if q.requires_grad)
+    return (f"  between micro-steps the whole model's grads, {size(whole)}: stage {c.stage} averages "
+            "them at the boundary, as DeepSpeed's")
+
+
+def every_micro_step(kind, c):
+    """A collective sent at every micro-step, not once a step: fsdp's gathers (forward and backward)
+    and, at stages 2 and 3, the grads' reduce-scatter (the engine's backward, as DeepSpeed's)."""
+    return (c.strategy == "fsdp" and kind == "all_gather") or (c.stage >= 2 and kind == "reduce_scatter")
+
+
+def step_collectives(module, c, bucket_bytes):
+    """{collective kind: (how many, elements)} in one step of the engine: its micro-steps included."""
+    elements = estimate.comm_per_step(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
+    counts = collective_counts(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
+    times = {kind: c.accumulation if every_micro_step(kind, c) else 1 for kind in elements}
+    return {kind: (counts[kind] * times[kind], elements[kind] * times[kind]) for kind in elements}
 
 
 def sent_lines(module, c, bucket_bytes):
     """What one step sends, by the estimator; how many of each."""
-    elements = estimate.comm_per_step(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
-    counts = collective_counts(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
+    sent = step_collectives(module, c, bucket_bytes)
     p, _ = estimate.element_bytes(c.mixed_precision)
     reduce_bytes = torch.finfo(c.reduce_dtype).bits // 8 if c.reduce_dtype is not None else p
-    lines = ["what one step sends (tiny_zero.measure.estimate.comm_per_step; every layer once forward, once backward):"]
-    for kind, count in elements.items():
+    lines = [f"what one step of {c.accumulation} micro-step(s) sends (tiny_zero.measure.estimate.comm_per_step; "
+             "every layer once forward, once backward, in each micro-step):"]
+    for kind, (count, numel) in sent.items():
         width = reduce_bytes if kind in GRAD_COLLECTIVES else p
-        lines.append(f"  {kind:<15} x {counts[kind]:<5} {count:>16,} elements {count * width:>16,} B "
-                     f"({estimate.fmt_bytes(count * width)})")
+        lines.append(f"  {kind:<15} x {count:<5} {numel:>16,} elements {numel * width:>16,} B "
+                     f"({estimate.fmt_bytes(numel * width)})")
     numel = sum(q.numel() for q in module.parameters())
-    lines.append(f"  per rank {estimate.transfers_per_rank(elements, c.world_size) / numel:.3f}Ψ element-transfers "
-                 f"(Ψ = {numel:,})")
-    if c.clip > 0 and c.strategy != "ddp":
-        lines.append("  and one scalar all-reduce for gradient_clipping's global norm")
+    per_rank = estimate.transfers_per_rank({kind: n for kind, (_, n) in sent.items()}, c.world_size)
+    lines.append(f"  per rank {per_rank / numel:.3f}Ψ element-transfers (Ψ = {numel:,})")
+    if c.strategy != "ddp":
+        lines.append("  and one scalar all-reduce for the grads' global norm (gradient_clipping, get_global_grad_norm)")
     if c.mixed_precision == "fp16":
         lines.append("  and one scalar all-reduce for fp16's overflow check")
     return lines
