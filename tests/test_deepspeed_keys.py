@@ -108,3 +108,19 @@ def test_real_keys_that_were_refused_are_read():
             settings(**{key: {"enabled": True}})
     with pytest.raises(ValueError, match="zero_optimization.offload_param.device = 'cpu'"):
         settings(stage=3, zero={"offload_param": {"device": "cpu"}})
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+def test_every_adam_parameter_deepspeed_passes_on_is_accounted_for(monkeypatch):
+    """optimizer.params of type Adam or AdamW: DeepSpeed reads torch_adam, adam_w_mode and
+    fp32_optimizer_states, and passes the rest to FusedAdam, DeepSpeedCPUAdam or torch's AdamW or Adam."""
+    import inspect
+
+    import torch
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    theirs = {"torch_adam", "adam_w_mode", "fp32_optimizer_states"}
+    for optimizer in (FusedAdam, DeepSpeedCPUAdam, torch.optim.AdamW, torch.optim.Adam):
+        theirs |= set(list(inspect.signature(optimizer.__init__).parameters)[2:])  # after self and the params
+    theirs.discard("adamw_mode")  # DeepSpeedCPUAdam's, which DeepSpeed sets itself from adam_w_mode
+    assert sorted(theirs - set(keys.ADAM)) == []

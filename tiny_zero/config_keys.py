@@ -87,6 +87,11 @@ ADAM = {
     "foreach": ("no effect", "how torch.optim loops over tensors"),
     "fused": ("no effect", "how torch.optim loops over tensors"),
     "fp32_optimizer_states": ("refused", lambda v: v is True, "optimizer state in a low precision"),
+    "maximize": ("refused", lambda v: v is False, "the objective maximised"),
+    "decoupled_weight_decay": ("refused", lambda v: v is False, "torch's Adam made AdamW: use type AdamW"),
+    "set_grad_none": ("no effect", "tiny_zero's zero_grad sets the grads to None, as torch's"),
+    "capturable": ("no effect", "torch.optim's CUDA-graph switch"),
+    "differentiable": ("no effect", "torch.optim's autograd through the step"),
 }
 SCHEDULER = {"type": READ, "params": READ}
 SCHEDULER_PARAMS = {
