@@ -116,12 +116,36 @@ def no_optimizer(stage, **extra):
 
 AUTO = {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold":
         "auto", "stage3_gather_16bit_weights_on_model_save": True}
+# Configs in the shape their projects publish them. LLaMA-Factory's ds_z2_config.json, with the "auto"
+# values that transformers' Trainer fills in (batch sizes, clipping, bf16 on); no optimizer: the Trainer's own.
+LLAMA_FACTORY_Z2 = {
+    "train_batch_size": 8, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+    "fp16": {"enabled": False, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 5e8,
+                          "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 5e8,
+                          "contiguous_gradients": True, "round_robin_gradients": True}}
+# DeepSpeed-Chat's training config (its get_train_ds_config), stage 3 in bf16, no optimizer section.
+DEEPSPEED_CHAT_Z3 = {
+    "train_batch_size": 4, "train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10,
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"},
+                          "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 3e7,
+                          "stage3_prefetch_bucket_size": 3e7, "memory_efficient_linear": False},
+    "bf16": {"enabled": True}, "gradient_clipping": 1.0, "prescale_gradients": False, "wall_clock_breakdown": False,
+    "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1,
+                      "release_inference_cache": False, "pin_parameters": True, "tp_gather_partition_size": 8},
+    "tensorboard": {"enabled": False, "output_path": "step1_tensorboard/ds_tensorboard_logs/",
+                    "job_name": "step1_model_tensorboard"}}
 CLIENTS = {  # name: (config, the script's optimizer and schedule); each compared loss by loss with DeepSpeed
     "client_adamw_groups_stage1": (no_optimizer(1, gradient_accumulation_steps=2), "adamw_groups"),
     "client_adam_stage3_auto": (no_optimizer(3, zero=AUTO, bf16={"enabled": "auto"}, gradient_clipping=0.1),
                                 "adam"),
     "client_adamw_offload_bf16": (no_optimizer(2, zero=OFFLOAD, bf16={"enabled": True}, gradient_clipping=0.1,
                                                zero_force_ds_cpu_optimizer=False), "adamw"),
+    "llama_factory_z2": (LLAMA_FACTORY_Z2, "adamw_groups"),
+    "deepspeed_chat_z3": (DEEPSPEED_CHAT_Z3, "adamw_groups"),
 }
 
 

@@ -55,11 +55,11 @@ def world(tmp_path_factory):
 def test_every_micro_step_loss_matches_deepspeed(world, name):
     """The configs of deepspeed_checks.py, and CLIENTS': configs without an optimizer, run with the script's
     own torch.optim.AdamW or Adam (param groups, a schedule object), as DeepSpeed takes them."""
-    cfg = RUNS[name]
-    atol = BF16_ATOL if read_config(cfg, 2).mixed_precision == "bf16" else FP32_ATOL
+    settings = read_config(RUNS[name], 2)
+    atol = BF16_ATOL if settings.mixed_precision == "bf16" else FP32_ATOL
     for rank, runs in enumerate(world["compare"]):
         ours, theirs = runs[name]["tiny_zero"][0], runs[name]["deepspeed"][0]
-        assert len(ours) == len(theirs) == checks.STEPS * cfg["gradient_accumulation_steps"]
+        assert len(ours) == len(theirs) == checks.STEPS * settings.accumulation
         assert ours == pytest.approx(theirs, abs=atol), (rank, ours, theirs)
 
 
