@@ -5,7 +5,7 @@
                                                                 config="ds_config.json")
     for x, y in batches:
         loss = engine(x, y)         # the module's forward
-        engine.backward(loss)       # the loss / gradient_accumulation_steps; no_sync() inside a step
+        engine.backward(loss)       # the loss / gradient_accumulation_steps; stages 2, 3: into the shard
         engine.step()               # at the accumulation boundary: clip, AdamW step, zero_grad, lr schedule
 
 The engine holds the strategy's wrapper (RUNS[config.strategy], as tiny_zero.STRATEGIES)

@@ -9,7 +9,7 @@ against what the wrappers allocate and send); the number of each collective
 is the number of buckets or units that the same partitioning makes.
 """
 import argparse
-import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
