@@ -38,3 +38,9 @@ def test_gathered_parameters_keeps_the_modifier_ranks_writes_only(world):
 def test_a_model_built_under_init_trains_as_the_one_built_whole(world, stage):
     for whole, cut in (rank[stage] for rank in world["trains"]):
         assert whole == cut
+
+
+@pytest.mark.slow
+def test_gathered_parameters_refuses_a_parameter_a_wrapper_holds_in_slices(world):
+    for result in world["trains"]:
+        assert "held in slices by a tiny_zero wrapper" in result["wrapped"]

@@ -87,7 +87,8 @@ def modifier():
 
 
 def trains_alike(stages):
-    """{stage: (losses built whole, losses built under Init)} through tiny_zero.initialize."""
+    """{stage: (losses built whole, losses built under Init)} through tiny_zero.initialize; and
+    what GatheredParameters says of a parameter that stage 3 holds in slices."""
     out = {}
     for stage in stages:
         runs = []
@@ -95,4 +96,9 @@ def trains_alike(stages):
             engine, _, _, _ = tiny_zero.initialize(model=build(under_init), config=config(stage))
             runs.append(train(engine, 4))
         out[stage] = runs
+    try:
+        tiny_zero.zero.GatheredParameters([engine.module.emb.weight])
+        out["wrapped"] = None
+    except ValueError as e:
+        out["wrapped"] = str(e)
     return out

@@ -134,6 +134,11 @@ class GatheredParameters:
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params if enabled else ():
+            if not hasattr(p, SLICE) and p.untyped_storage().nbytes() < p.numel() * p.element_size():
+                raise ValueError("zero.GatheredParameters: a parameter of shape {} is held in slices by a tiny_zero "
+                                 "wrapper, which would show it released here: read the whole values with "
+                                 "model.full_state_dict() (on every rank)".format(tuple(p.shape)))
         self.params = list({id(p): p for p in params if hasattr(p, SLICE)}.values()) if enabled else []
         self.modifier_rank = modifier_rank
 
