@@ -220,7 +220,9 @@ def read_zero(zero, c):
     if offload_device(zero, "offload_optimizer", "cpu_offload", OFFLOAD, c) == "cpu":
         if stage not in (1, 2):
             raise ValueError(f"DeepSpeed config: offload_optimizer with stage {stage} is not supported by "
-                             "tiny_zero: its offload is ZeRO-Offload's, on stage 2 (stage 1 gives the same numbers)")
+                             "tiny_zero: its offload is ZeRO-Offload's, on stage 2 (stage 1 gives the same numbers). "
+                             "Use stage 2 with offload_optimizer (the same numbers, the parameters whole on each "
+                             "rank), or stage 3 without it")
         c.strategy = "offload"
         c.changed.append(("zero_optimization.offload_optimizer.device", "cpu: tiny_zero.offload (fp32 masters and "
                           "AdamW in host memory)"))
