@@ -24,6 +24,7 @@ from tiny_zero.lr_schedules import SCHEDULES  # noqa: E402
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 NO_DEEPSPEED = "deepspeed is not installed (pip install deepspeed): the comparison with it cannot run"
 FP32_ATOL, BF16_ATOL = 4e-6, 2e-2
+RUNS = {**checks.CONFIGS, **{name: cfg for name, (cfg, _) in checks.CLIENTS.items()}}
 
 BAD = {  # name: (config, what the error must say)
     "batch": (checks.config(0, train_batch_size=10, gradient_accumulation_steps=2),
@@ -38,26 +39,32 @@ BAD = {  # name: (config, what the error must say)
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     plan = [("resume", "resume", (str(tmp_path_factory.mktemp("ds_checkpoint")),)),
-            ("bad", "bad_configs", ({name: cfg for name, (cfg, _) in BAD.items()},))]
+            ("bad", "bad_configs", ({name: cfg for name, (cfg, _) in BAD.items()},)),
+            ("comm", "comm_names", ()), ("bad_clients", "bad_clients", ())]
     if HAS_DEEPSPEED:
-        plan.append(("compare", "compare", (list(checks.CONFIGS),)))
+        plan.append(("compare", "compare", (list(RUNS),)))
         plan.append(("partial", "partial_loads", (str(tmp_path_factory.mktemp("partial")),)))
+        plan.append(("api", "engine_api", (str(tmp_path_factory.mktemp("api")),)))
+        plan.append(("accumulation", "accumulation", ()))
     return run_checks(2, "deepspeed_checks", plan, timeout=600)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
-@pytest.mark.parametrize("name", list(checks.CONFIGS))
+@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_every_micro_step_loss_matches_deepspeed(world, name):
-    atol = BF16_ATOL if "bf16" in checks.CONFIGS[name] else FP32_ATOL
+    """The configs of deepspeed_checks.py, and CLIENTS': configs without an optimizer, run with the script's
+    own torch.optim.AdamW or Adam (param groups, a schedule object), as DeepSpeed takes them."""
+    settings = read_config(RUNS[name], 2)
+    atol = BF16_ATOL if settings.mixed_precision == "bf16" else FP32_ATOL
     for rank, runs in enumerate(world["compare"]):
         ours, theirs = runs[name]["tiny_zero"][0], runs[name]["deepspeed"][0]
-        assert len(ours) == len(theirs) == checks.STEPS * checks.CONFIGS[name]["gradient_accumulation_steps"]
+        assert len(ours) == len(theirs) == checks.STEPS * settings.accumulation
         assert ours == pytest.approx(theirs, abs=atol), (rank, ours, theirs)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_clipping_moves_the_losses_more_than_the_tolerance(world):
     """Else a missing clip would pass the comparison."""
     runs = world["compare"][0]
@@ -65,7 +72,7 @@ def test_clipping_moves_the_losses_more_than_the_tolerance(world):
     assert max(abs(a - b) for a, b in zip(plain, clipped)) > 10 * FP32_ATOL
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world):
     for result in world["resume"]:
         assert result["resumed"] == result["whole"]
@@ -76,9 +83,9 @@ def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world):
         assert lr == [pytest.approx(2e-2)]  # WarmupDecayLR after 2 steps of warmup
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
 @pytest.mark.parametrize("name", list(checks.PARTIAL))
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_load_checkpoint_flags_load_what_deepspeeds_load(world, name):
     """load_optimizer_states, load_lr_scheduler_states and load_module_only:
     the counters, the lr and the losses after the load are DeepSpeed's."""
@@ -88,8 +95,56 @@ def test_load_checkpoint_flags_load_what_deepspeeds_load(world, name):
         assert max(abs(a - b) for a, b in zip(losses, ds_losses)) < FP32_ATOL, (losses, ds_losses)
 
 
-@pytest.mark.slow
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
+def test_engine_api_answers_as_deepspeeds(world):
+    """zero_optimization_stage, fp16_enabled, bfloat16_enabled, local_rank, was_step_applied and
+    get_global_grad_norm at every micro-step, and the weights save_16bit_model writes."""
+    for rank, result in enumerate(world["api"]):
+        ours, theirs = result["tiny_zero"], result["deepspeed"]
+        assert ours["flags"] == theirs["flags"] == (3, False, False, rank, True)
+        assert [applied for applied, _ in ours["steps"]] == [False, True, False, True]
+        assert [applied for applied, _ in theirs["steps"]] == [False, True, False, True]
+        for (_, norm), (_, their_norm) in zip(ours["steps"][1::2], theirs["steps"][1::2]):
+            assert norm == pytest.approx(their_norm, rel=1e-5) and norm > 0.1  # above the clip: it clipped
+        assert ours["weights"].keys() == theirs["weights"].keys()
+        for key, value in ours["weights"].items():
+            assert value.dtype == theirs["weights"][key].dtype
+            assert torch.allclose(value, theirs["weights"][key], atol=1e-5), key
+
+
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
+def test_deepspeed_comm_names_and_loader_collate_fn(world):
+    for rank, result in enumerate(world["comm"]):
+        assert result["rank"] == (rank, 2, rank)
+        assert result["sums"] == (3.0, 2.0)
+        assert result["loader"] == [("collated", checks.MICRO)] * 2  # 4 of the 8 items here, 2 per micro-batch
+        assert result["bf16"] == (True, False, 2)
+
+
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
+def test_client_optimizers_that_cannot_be_taken_are_refused_by_name(world):
+    for errors in world["bad_clients"]:
+        assert "torch.optim.sgd.SGD is not supported" in errors["sgd"]
+        assert "weight_decay 0.1, which torch's Adam adds to the grads" in errors["adam_l2"]
+        assert "no optimizer" in errors["none"]
+
+
+def test_add_config_arguments_and_initialize_without_a_process_group():
+    import argparse
+
+    import tiny_zero
+    args = tiny_zero.add_config_arguments(argparse.ArgumentParser()).parse_args(
+        ["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert (args.deepspeed, args.deepspeed_config, args.deepscale, args.deepscale_config) == (True, "ds.json",
+                                                                                            False, None)
+    if not torch.distributed.is_initialized():
+        with pytest.raises(RuntimeError, match="dist_init_required=False"):
+            tiny_zero.initialize(model=checks.Net(), config=checks.config(0), dist_init_required=False)
+
+
 @pytest.mark.parametrize("name", list(BAD))
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
 def test_bad_config_raises_one_clear_error_on_every_rank(world, name):
     errors = [rank[name] for rank in world["bad"]]
     assert errors[0] is not None and errors[0] == errors[1], errors
@@ -227,3 +282,20 @@ def test_training_data_becomes_micro_batches_of_this_ranks_share():
     dataset = torch.utils.data.TensorDataset(torch.arange(10))
     batches = [b[0].tolist() for b in data_loader(dataset, settings, rank=1, world_size=2)]
     assert [len(b) for b in batches] == [checks.MICRO] * 2  # 5 of the 10: the last, short, batch dropped
+
+
+@pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulation_keeps_the_grads_sharded_as_deepspeed(world, stage):
+    """Between micro-steps a rank holds its shard of the grads (half of 404,736 bytes at world 2), no
+    more than DeepSpeed; and the step sends what explain counts, its micro-steps included."""
+    from tiny_zero import explain
+    whole = 4 * sum(p.numel() for p in checks.Wide().parameters())
+    settings = read_config(checks.config(stage, gradient_accumulation_steps=2), 2)
+    sent = explain.step_collectives(checks.Wide(), settings, settings.bucket_bytes() if settings.bucket_elements
+                                    else explain.estimate.DEFAULT_BUCKET_BYTES)
+    for result in world["accumulation"]:
+        (ours, calls), (theirs, _) = result["tiny_zero", stage], result["deepspeed", stage]
+        assert ours <= theirs and ours <= whole / 2 * 1.01, (ours, theirs, whole)
+        assert {kind: calls[kind] for kind in sent} == {kind: count for kind, (count, _) in sent.items()}

@@ -6,7 +6,10 @@ from .zero2 import Zero2, Zero2AdamW
 from .zero3 import Zero3, Zero3AdamW
 from .fsdp import FSDP, FSDPAdamW
 from .offload import ZeroOffload, ZeroOffloadAdamW
-from .engine import initialize  # DeepSpeed's, over the wrappers above (engine.py)
+from . import zero  # DeepSpeed's deepspeed.zero.Init and GatheredParameters
+from . import comm  # DeepSpeed's deepspeed.comm names are there too (get_rank, barrier, all_reduce, ...)
+from .comm import init_distributed  # DeepSpeed's deepspeed.init_distributed
+from .engine import add_config_arguments, initialize  # DeepSpeed's, over the wrappers above (engine.py)
 
 __version__ = "0.1.0"
 

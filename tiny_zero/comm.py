@@ -12,10 +12,14 @@ Collectives: all_reduce, reduce_scatter, all_gather, broadcast, reduce; and
     layers keep up to date: "blocks.3.attn.c_proj backward"). On CUDA the wait
     stays asynchronous (the stream waits, not the CPU): there the process
     group's own timeout applies.
+DeepSpeed's deepspeed.comm names, for its scripts (import tiny_zero as deepspeed;
+    deepspeed.comm.get_rank()): init_distributed, get_rank, get_world_size,
+    get_local_rank, barrier, all_reduce (op=ReduceOp.SUM first, as DeepSpeed's).
 Before each collective, the ranks' agreements still in flight are checked
     (agreements.py): a rank about to run another collective than the others
     is told so, on every rank, rather than left to hang.
 """
+import os
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -130,8 +134,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_reduce(tensor, async_op=False, group=None):
-    return _run("all_reduce", tensor, lambda: dist.all_reduce(tensor, group=group, async_op=True), async_op,
+ReduceOp = dist.ReduceOp
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    return _run("all_reduce", tensor, lambda: dist.all_reduce(tensor, op, group=group, async_op=True), async_op,
                 group, _nothing)
 
 
@@ -198,4 +205,39 @@ def all_gather_object(obj):
     return out
 
 
-from . import agreements  # noqa: E402  (last: agreements.py takes Pending from here)
+# ---------------------------------------------------------------- DeepSpeed's deepspeed.comm names
+
+def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500, verbose=True,
+                     timeout=None, init_method=None, dist_init_required=None, config=None, rank=-1, world_size=-1):
+    """DeepSpeed's: the default process group, made if there is none. With no backend, address or rank
+    given, as every tiny_zero wrapper makes it (torchrun's environment, else a world of one; nccl on
+    CUDA, else gloo). MPI discovery has no effect: start the ranks with torchrun."""
+    if dist.is_initialized() or dist_init_required is False:
+        return
+    given = {"init_method": init_method, "timeout": timeout, "rank": rank, "world_size": world_size}
+    given = {k: v for k, v in given.items() if v not in (None, -1)}
+    if dist_backend is None and not given:
+        distributed.init_distributed()
+    else:
+        dist.init_process_group(dist_backend or ("nccl" if distributed.uses_cuda() else "gloo"), **given)
+
+
+def get_rank(group=None):
+    return dist.get_rank(group)
+
+
+def get_world_size(group=None):
+    return dist.get_world_size(group)
+
+
+def get_local_rank():
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def barrier(group=None):
+    """Every rank waits for the others (after the agreements in flight are settled, as before any collective)."""
+    agreements.check_agreements()
+    dist.barrier(group)
+
+
+from . import agreements, distributed  # noqa: E402  (last: agreements.py takes Pending from here)

@@ -19,123 +19,17 @@ from pathlib import Path
 
 import torch
 
+from .config_keys import ADAM, BF16, FP16, OFFLOAD, OFFLOAD_PARAM, OPTIMIZER, READ, SCHEDULER, SCHEDULER_PARAMS, TOP, ZERO
+
 STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}  # DeepSpeed's stage 3 slices every tensor, as fsdp does
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-READ = "read"  # the keys read_config() reads, each at its level
-
-# Per level: {key: READ, or ("no effect", why), or ("refused", is_off(value), why)}. A refused key whose value
-# is_off (its default: the feature switched off) is accepted as it changes nothing.
-TOP = {
-    "train_batch_size": READ, "train_micro_batch_size_per_gpu": READ, "gradient_accumulation_steps": READ,
-    "optimizer": READ, "scheduler": READ, "gradient_clipping": READ, "fp16": READ, "bf16": READ,
-    "zero_optimization": READ, "communication_data_type": READ,
-    "steps_per_print": ("no effect", "DeepSpeed's progress log; the training script prints what it wants"),
-    "wall_clock_breakdown": ("no effect", "DeepSpeed's timers; tiny_zero's are --trace (tiny_zero.measure.trace)"),
-    "memory_breakdown": ("no effect", "DeepSpeed's memory log; tiny_zero's is tiny_zero.measure.memory"),
-    "dump_state": ("no effect", "DeepSpeed's printout of its own state"),
-    "flops_profiler": ("no effect", "a DeepSpeed profiler"),
-    "tensorboard": ("no effect", "DeepSpeed's monitor"), "wandb": ("no effect", "DeepSpeed's monitor"),
-    "csv_monitor": ("no effect", "DeepSpeed's monitor"), "comms_logger": ("no effect", "DeepSpeed's comm log"),
-    "zero_allow_untested_optimizer": ("no effect", "tiny_zero steps its own AdamW only"),
-    "zero_force_ds_cpu_optimizer": ("no effect", "offload steps tiny_zero's AdamW on the host, whatever this says"),
-    "checkpoint": ("no effect", "how DeepSpeed writes checkpoints; tiny_zero's are sharded and reshard on load"),
-    "activation_checkpointing": ("no effect", "configures deepspeed.checkpointing, which a model calls itself"),
-    "aio": ("no effect", "NVMe transfers, which tiny_zero does not use"),
-    "dataloader_drop_last": READ,
-    "prescale_gradients": ("refused", lambda v: v is False, "grads divided before the all-reduce: rounding differs"),
-    "gradient_predivide_factor": ("refused", lambda v: v == 1.0, "a split of the average around the all-reduce"),
-    "sparse_gradients": ("refused", lambda v: v is False, "sparse embedding grads"),
-    "amp": ("refused", lambda v: not v.get("enabled", False), "NVIDIA Apex AMP; use bf16 or fp16"),
-    "data_types": ("refused", lambda v: v.get("grad_accum_dtype") in (None, "fp32"),
-                   "grads accumulated in a dtype of their own"),
-    "compression_training": ("refused", lambda v: not v, "quantization and pruning during training"),
-    "data_efficiency": ("refused", lambda v: not v.get("enabled", False), "curriculum learning, data routing"),
-    "curriculum_learning": ("refused", lambda v: not v.get("enabled", False), "curriculum learning"),
-    "elasticity": ("refused", lambda v: not v.get("enabled", False), "elastic batch sizes"),
-    "pipeline": ("refused", lambda v: not v, "DeepSpeed's pipeline engine (tiny_zero.pipeline is its own)"),
-    "moe": ("refused", lambda v: not v, "mixture of experts"),
-}
-OPTIMIZER = {"type": READ, "params": READ}
-ADAM = {
-    "lr": READ, "betas": READ, "eps": READ, "weight_decay": READ, "adam_w_mode": READ, "torch_adam": READ,
-    "bias_correction": ("refused", lambda v: v is True, "Adam without bias correction"),
-    "amsgrad": ("refused", lambda v: v is False, "AMSGrad"),
-    "foreach": ("no effect", "how torch.optim loops over tensors"),
-    "fused": ("no effect", "how torch.optim loops over tensors"),
-    "fp32_optimizer_states": ("refused", lambda v: v is True, "optimizer state in a low precision"),
-}
-SCHEDULER = {"type": READ, "params": READ}
-SCHEDULER_PARAMS = {
-    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
-    "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-                      "last_batch_iteration"),
-    "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
-                       "last_batch_iteration"),
-}
-FP16 = {
-    "enabled": READ, "loss_scale": READ, "initial_scale_power": READ, "loss_scale_window": READ,
-    "hysteresis": READ, "min_loss_scale": READ,
-    "auto_cast": ("refused", lambda v: v is False, "inputs cast to fp16 by the engine"),
-    "consecutive_hysteresis": ("refused", lambda v: v is False, "hysteresis restored after each good step"),
-    "fp16_master_weights_and_grads": ("refused", lambda v: v is False, "fp16 master weights"),
-}
-BF16 = {
-    "enabled": READ,
-    "immediate_grad_update": ("no effect", "when DeepSpeed adds grads into its fp32 copy; tiny_zero reduces in "
-                                           "the parameters' dtype and steps fp32 masters, as DeepSpeed's default"),
-    "check_grad_overflow": ("no effect", "bf16 has fp32's range: tiny_zero never checks"),
-    "bf16_master_weights_and_grads": ("refused", lambda v: v is False, "bf16 master weights"),
-    "bf16_optimizer_states": ("refused", lambda v: v is False, "optimizer state in bf16"),
-}
-WHY_OVERLAP = "tiny_zero always overlaps: each bucket is sent as its last grad is ready"
-ZERO = {
-    "stage": READ, "offload_optimizer": READ, "reduce_bucket_size": READ,
-    "allgather_bucket_size": ("no effect", "tiny_zero all-gathers the same buckets reduce_bucket_size cuts"),
-    "overlap_comm": ("no effect", WHY_OVERLAP),
-    "contiguous_gradients": ("no effect", "tiny_zero's grads always live in flat buckets"),
-    "reduce_scatter": ("no effect", "tiny_zero reduce-scatters always; an all-reduce would give the same average"),
-    "allgather_partitions": ("no effect", "tiny_zero all-gathers the updated shards always"),
-    "round_robin_gradients": ("no effect", "an order of copies for speed"),
-    "load_from_fp32_weights": ("no effect", "tiny_zero's checkpoints hold the fp32 masters and load them"),
-    "elastic_checkpoint": ("no effect", "tiny_zero's checkpoints load at any world size"),
-    "ignore_unused_parameters": ("no effect", "unused parameters get no step, as torch DDP's "
-                                              "find_unused_parameters=True"),
-    "use_multi_rank_bucket_allreduce": ("no effect", "an all-reduce schedule"),
-    "stage3_prefetch_bucket_size": ("no effect", "fsdp prefetches the next unit (a block)"),
-    "stage3_max_live_parameters": ("no effect", "fsdp frees each unit after use"),
-    "stage3_max_reuse_distance": ("no effect", "fsdp frees each unit after use"),
-    "stage3_param_persistence_threshold": ("no effect", "fsdp slices every tensor; keeping small ones whole "
-                                                        "gives the same numbers"),
-    "stage3_model_persistence_threshold": ("no effect", "as stage3_param_persistence_threshold"),
-    "stage3_gather_16bit_weights_on_model_save": ("no effect", "engine.save_checkpoint writes tiny_zero's "
-                                                               "sharded checkpoint; consolidate it for whole weights"),
-    "sub_group_size": ("no effect", "the size of DeepSpeed's optimizer steps"),
-    "memory_efficient_linear": ("no effect", "fsdp's layers free what they gathered anyway"),
-    "zero_hpz_partition_size": ("no effect", "a second copy of the parameters within a node, for speed"),
-    "offload_param": ("refused", lambda v: v.get("device", "none") == "none", "parameters in host memory "
-                                                                              "(ZeRO-Infinity)"),
-    "cpu_offload": ("refused", lambda v: v is False, "the old name: use offload_optimizer.device cpu"),
-    "zero_quantized_weights": ("refused", lambda v: v is False, "quantized weights (ZeRO++)"),
-    "zero_quantized_nontrainable_weights": ("refused", lambda v: v is False, "quantized weights (ZeRO++)"),
-    "zero_quantized_gradients": ("refused", lambda v: v is False, "quantized gradients (ZeRO++)"),
-    "mics_shard_size": ("refused", lambda v: v in (-1, None), "MiCS sharding groups"),
-    "legacy_stage1": ("refused", lambda v: v is False, "DeepSpeed's old stage 1"),
-}
-OFFLOAD = {
-    "device": READ,
-    "pin_memory": ("no effect", "tiny_zero's host buffers are pinned when CUDA is there"),
-    "buffer_count": ("no effect", "DeepSpeed's NVMe buffers"),
-    "fast_init": ("no effect", "DeepSpeed's NVMe start"),
-    "pipeline_read": ("no effect", "DeepSpeed's NVMe transfers"), "pipeline_write": ("no effect", "as pipeline_read"),
-    "ratio": ("refused", lambda v: v == 1.0, "a part of the optimizer offloaded"),
-    "nvme_path": ("refused", lambda v: v is None, "NVMe offload"),
-}
 
 
 @dataclass
 class Config:
     world_size: int
     strategy: str = "ddp"
+    stage: int = 0  # zero_optimization.stage
     train_batch_size: int = 0
     micro_batch: int = 0
     accumulation: int = 1  # gradient_accumulation_steps
@@ -175,8 +69,8 @@ def load_json(config):
 
 def read_config(config, world_size):
     """Config from DeepSpeed's JSON (a dict or a path), for `world_size` ranks."""
-    raw = load_json(config)
     c = Config(world_size)
+    raw = resolve_aliases(load_json(config), TOP, "", c)
     sort_keys(raw, TOP, "", c)
     read_batch(raw, c)
     read_precision(raw, c)
@@ -196,8 +90,27 @@ def read_config(config, world_size):
     return c
 
 
-def sort_keys(section, known, prefix, c):
-    """Check every key of `section` against `known`; note the no-effect ones, refuse the others."""
+def resolve_aliases(section, known, prefix, c):
+    """A copy of `section` with each alias (DeepSpeed's other name for a key) under the name tiny_zero reads.
+    Given both names, DeepSpeed reads one; here they must agree."""
+    if not isinstance(section, dict):
+        return section
+    out = dict(section)
+    for key, value in section.items():
+        rule = known.get(key)
+        if isinstance(rule, tuple) and rule[0] == "alias":
+            target = rule[1]
+            if target in section and section[target] != value:
+                raise ValueError(f"DeepSpeed config: {prefix}{key} and {prefix}{target} name the same setting "
+                                 "with different values; keep one")
+            out[target] = out.pop(key)
+            c.changed.append((prefix + key, f"read as {prefix}{target}, its other name"))
+    return out
+
+
+def sort_keys(section, known, prefix, c, off=None):
+    """Check every key of `section` against `known`; note the no-effect ones, refuse the others.
+    `off`: why the whole section changes nothing (fp16 not enabled): its keys are noted, none refused."""
     if not isinstance(section, dict):
         raise ValueError(f"DeepSpeed config: {prefix or 'the config'} must be a JSON object, got {section!r}")
     for key, value in section.items():
@@ -213,9 +126,11 @@ def sort_keys(section, known, prefix, c):
         rule = known[key]
         if rule == READ:
             continue
-        if rule[0] == "no effect":
+        if off is not None:
+            c.no_effect.append((name, off))
+        elif rule[0] == "no effect":
             c.no_effect.append((name, rule[1]))
-        elif not rule[1](value):
+        elif value is not None and not rule[1](value):  # null: the default, as DeepSpeed's pydantic reads it
             raise ValueError(f"DeepSpeed config: {name} = {json.dumps(value)} is not supported by tiny_zero "
                              f"({rule[2]}); it would change the numbers, so it is refused rather than ignored")
 
@@ -243,8 +158,9 @@ def read_batch(raw, c):
     c.train_batch_size, c.micro_batch, c.accumulation = batch, micro, acc
     c.changed.append(("train_batch_size", f"{batch} = {micro} per rank x {acc} micro-steps x {n} ranks"))
     if acc > 1:
-        c.changed.append(("gradient_accumulation_steps", f"{acc}: engine.backward divides the loss by {acc}; "
-                          f"the first {acc - 1} backward passes of a step run in model.no_sync()"))
+        c.changed.append(("gradient_accumulation_steps", f"{acc}: engine.backward divides the loss by {acc}; at "
+                          "stages 2 and 3 every micro-step reduce-scatters its grads into the rank's shard, at 0 "
+                          f"and 1 the first {acc - 1} backward passes of a step run in model.no_sync()"))
 
 
 def without_auto(section, prefix, c):
@@ -271,10 +187,10 @@ def flag(section, key, prefix):
 
 
 def read_precision(raw, c):
-    fp16, bf16 = without_auto(raw.get("fp16", {}), "fp16.", c), without_auto(raw.get("bf16", {}), "bf16.", c)
-    sort_keys(fp16, FP16, "fp16.", c)
-    sort_keys(bf16, BF16, "bf16.", c)
+    fp16, bf16 = (without_auto(raw.get(key) or {}, key + ".", c) for key in ("fp16", "bf16"))
     fp16_on, bf16_on = flag(fp16, "enabled", "fp16."), flag(bf16, "enabled", "bf16.")
+    sort_keys(fp16, FP16, "fp16.", c, off=None if fp16_on else "fp16 is not enabled")
+    sort_keys(bf16, BF16, "bf16.", c, off=None if bf16_on else "bf16 is not enabled")
     if fp16_on and bf16_on:
         raise ValueError("DeepSpeed config: fp16.enabled and bf16.enabled are both true; choose one")
     if bf16_on:
@@ -292,26 +208,28 @@ def read_precision(raw, c):
 
 
 def read_zero(zero, c):
-    zero = without_auto(zero, "zero_optimization.", c)
+    if isinstance(zero, bool):  # DeepSpeed's oldest form: true is stage 1
+        zero = {"stage": int(zero)}
+    zero = resolve_aliases(without_auto(zero or {}, "zero_optimization.", c), ZERO, "zero_optimization.", c)
     sort_keys(zero, ZERO, "zero_optimization.", c)
     stage = zero.get("stage", 0)
     if stage not in STAGES:
         raise ValueError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
-    c.strategy = STAGES[stage]
+    c.strategy, c.stage = STAGES[stage], stage
     c.changed.append(("zero_optimization.stage", f"{stage}: tiny_zero.{c.strategy}"))
-    offload = without_auto(zero.get("offload_optimizer", {}), "zero_optimization.offload_optimizer.", c)
-    sort_keys(offload, OFFLOAD, "zero_optimization.offload_optimizer.", c)
-    device = offload.get("device", "none")
-    if device == "cpu":
+    if offload_device(zero, "offload_optimizer", "cpu_offload", OFFLOAD, c) == "cpu":
         if stage not in (1, 2):
             raise ValueError(f"DeepSpeed config: offload_optimizer with stage {stage} is not supported by "
-                             "tiny_zero: its offload is ZeRO-Offload's, on stage 2 (stage 1 gives the same numbers)")
+                             "tiny_zero: its offload is ZeRO-Offload's, on stage 2 (stage 1 gives the same numbers). "
+                             "Use stage 2 with offload_optimizer (the same numbers, the parameters whole on each "
+                             "rank), or stage 3 without it")
         c.strategy = "offload"
         c.changed.append(("zero_optimization.offload_optimizer.device", "cpu: tiny_zero.offload (fp32 masters and "
                           "AdamW in host memory)"))
-    elif device != "none":
-        raise ValueError(f"DeepSpeed config: zero_optimization.offload_optimizer.device = {device!r} is not "
-                         "supported by tiny_zero (only 'cpu' or 'none')")
+    if offload_device(zero, "offload_param", "cpu_offload_param", OFFLOAD_PARAM, c) == "cpu":
+        raise ValueError("DeepSpeed config: zero_optimization.offload_param.device = 'cpu' (parameters in host "
+                         "memory, ZeRO-Infinity) is not supported by tiny_zero: set its device to 'none' or remove "
+                         "offload_param; stage 3 slices the parameters over the ranks' devices")
     if "reduce_bucket_size" in zero:
         c.bucket_elements = int(zero["reduce_bucket_size"])
         if c.strategy == "fsdp":
@@ -322,10 +240,25 @@ def read_zero(zero, c):
                               f"bucket_bytes={c.bucket_bytes():,}"))
 
 
+def offload_device(zero, key, old_key, known, c):
+    """offload_optimizer's or offload_param's device: "none" or "cpu". null is off, as in DeepSpeed;
+    old_key (cpu_offload, cpu_offload_param) true is DeepSpeed's older way of saying device "cpu"."""
+    prefix = f"zero_optimization.{key}."
+    section = without_auto(zero.get(key) or {}, prefix, c)
+    sort_keys(section, known, prefix, c)
+    device = section.get("device") or "none"
+    if zero.get(old_key):
+        device = "cpu"
+        c.changed.append(("zero_optimization." + old_key, f"true: read as {prefix}device 'cpu', its older name"))
+    if device not in ("none", "cpu"):
+        raise ValueError(f"DeepSpeed config: {prefix}device = {device!r} is not supported by tiny_zero "
+                         "(only 'cpu' or 'none')")
+    return device
+
+
 def read_optimizer(section, c):
-    if section is None:
-        raise ValueError("DeepSpeed config: no optimizer; tiny_zero.initialize builds its AdamW from the "
-                         "config's \"optimizer\" (type Adam or AdamW)")
+    if section is None:  # the script passes its own: initialize(optimizer=...)
+        return
     sort_keys(section, OPTIMIZER, "optimizer.", c)
     kind = str(section.get("type", "")).lower()
     if kind not in ("adam", "adamw"):

@@ -9,12 +9,15 @@ against what the wrappers allocate and send); the number of each collective
 is the number of buckets or units that the same partitioning makes.
 """
 import argparse
+import importlib.util
 import sys
+from pathlib import Path
 
 import torch
 
 from .buckets import make_buckets
 from .config import read_config
+from .materialize import meta_parameters
 from .measure import estimate
 
 GRAD_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce")  # in the reduce dtype; the others in the parameters'
@@ -23,9 +26,26 @@ GRAD_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce")  # in the reduce d
 def build_module(name):
     """An example model (example/model.py) or hf:DIR (a Hugging Face config), on the meta device."""
     if name.startswith("hf:"):
-        from example import hf
-        return hf.build(name[3:])
+        return build_hf(name[3:])
+    checkout = Path(__file__).resolve().parents[1]  # example/ sits beside tiny_zero/ in a checkout
+    if importlib.util.find_spec("example") is None and (checkout / "example").is_dir():
+        sys.path.append(str(checkout))  # run from another directory (or tiny_zero installed from the checkout)
     return estimate.build_meta(name)
+
+
+def build_hf(directory):
+    """The model that save_pretrained wrote in `directory`, from its config.json alone, on the meta device:
+    any vocabulary (only the examples, which feed bytes, need 256 tokens). transformers is needed here,
+    for its model classes; tiny_zero's wrappers never import it."""
+    if not (Path(directory) / "config.json").is_file():
+        raise ValueError(f"--model hf:{directory}: no config.json there (a directory save_pretrained wrote)")
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError:
+        raise SystemExit('error: --model hf:DIR needs transformers (pip install -e ".[hf]")') from None
+    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    with meta_parameters():
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def collective_counts(module, strategy, world_size, mixed_precision, bucket_bytes):
@@ -62,25 +82,53 @@ def held_lines(module, c):
     if c.strategy == "offload":
         where = estimate.placement(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)[0]
         lines.append(f"  on the device {size(where['device'])}; in host memory {size(where['host'])}")
+    if c.accumulation > 1:
+        lines.append(accumulation_line(module, c, held["gradients"]))
     return lines, bucket_bytes
+
+
+def accumulation_line(module, c, shard):
+    """The grads a rank holds between micro-steps: its shard at stages 2 and 3 (each micro-step
+    reduce-scatters into it), the whole model's at stages 0 and 1 (reduced at the boundary)."""
+    if c.stage >= 2:
+        return (f"  between micro-steps the grads stay in the shard, {size(shard)}: every micro-step "
+                "reduce-scatters into it, as DeepSpeed's stages 2 and 3")
+    p, _ = estimate.element_bytes(c.mixed_precision)
+    whole = p * sum(q.numel() for q in module.parameters() if q.requires_grad)
+    return (f"  between micro-steps the whole model's grads, {size(whole)}: stage {c.stage} averages "
+            "them at the boundary, as DeepSpeed's")
+
+
+def every_micro_step(kind, c):
+    """A collective sent at every micro-step, not once a step: fsdp's gathers (forward and backward)
+    and, at stages 2 and 3, the grads' reduce-scatter (the engine's backward, as DeepSpeed's)."""
+    return (c.strategy == "fsdp" and kind == "all_gather") or (c.stage >= 2 and kind == "reduce_scatter")
+
+
+def step_collectives(module, c, bucket_bytes):
+    """{collective kind: (how many, elements)} in one step of the engine: its micro-steps included."""
+    elements = estimate.comm_per_step(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
+    counts = collective_counts(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
+    times = {kind: c.accumulation if every_micro_step(kind, c) else 1 for kind in elements}
+    return {kind: (counts[kind] * times[kind], elements[kind] * times[kind]) for kind in elements}
 
 
 def sent_lines(module, c, bucket_bytes):
     """What one step sends, by the estimator; how many of each."""
-    elements = estimate.comm_per_step(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
-    counts = collective_counts(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)
+    sent = step_collectives(module, c, bucket_bytes)
     p, _ = estimate.element_bytes(c.mixed_precision)
     reduce_bytes = torch.finfo(c.reduce_dtype).bits // 8 if c.reduce_dtype is not None else p
-    lines = ["what one step sends (tiny_zero.measure.estimate.comm_per_step; every layer once forward, once backward):"]
-    for kind, count in elements.items():
+    lines = [f"what one step of {c.accumulation} micro-step(s) sends (tiny_zero.measure.estimate.comm_per_step; "
+             "every layer once forward, once backward, in each micro-step):"]
+    for kind, (count, numel) in sent.items():
         width = reduce_bytes if kind in GRAD_COLLECTIVES else p
-        lines.append(f"  {kind:<15} x {counts[kind]:<5} {count:>16,} elements {count * width:>16,} B "
-                     f"({estimate.fmt_bytes(count * width)})")
+        lines.append(f"  {kind:<15} x {count:<5} {numel:>16,} elements {numel * width:>16,} B "
+                     f"({estimate.fmt_bytes(numel * width)})")
     numel = sum(q.numel() for q in module.parameters())
-    lines.append(f"  per rank {estimate.transfers_per_rank(elements, c.world_size) / numel:.3f}Ψ element-transfers "
-                 f"(Ψ = {numel:,})")
-    if c.clip > 0 and c.strategy != "ddp":
-        lines.append("  and one scalar all-reduce for gradient_clipping's global norm")
+    per_rank = estimate.transfers_per_rank({kind: n for kind, (_, n) in sent.items()}, c.world_size)
+    lines.append(f"  per rank {per_rank / numel:.3f}Ψ element-transfers (Ψ = {numel:,})")
+    if c.strategy != "ddp":
+        lines.append("  and one scalar all-reduce for the grads' global norm (gradient_clipping, get_global_grad_norm)")
     if c.mixed_precision == "fp16":
         lines.append("  and one scalar all-reduce for fp16's overflow check")
     return lines

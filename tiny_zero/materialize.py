@@ -20,7 +20,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from . import comm
+
 NOT_LOADED = "not_loaded"  # module.__dict__ key: the hook that stops forward until weights are loaded
+SLICE = "zero_slice"  # a parameter built under tiny_zero.zero.Init: this rank's 1/N of its values (zero.py)
 
 
 def full_value(module, name, param, device):
@@ -28,6 +31,8 @@ def full_value(module, name, param, device):
     model's init, or NaN until load_pretrained fills it."""
     if not param.is_meta:
         return param.data.to(device)
+    if hasattr(param, SLICE):
+        return gathered_value(param, device)
     value = torch.empty(param.shape, dtype=param.dtype, device=device)
     if hasattr(module, "init_parameter"):
         module.init_parameter(name, value)
@@ -35,6 +40,15 @@ def full_value(module, name, param, device):
         value.fill_(float("nan"))
         wait_for_weights(module)
     return value
+
+
+def gathered_value(param, device):
+    """The whole value of a parameter that each rank holds 1/N of (built under
+    tiny_zero.zero.Init): one all-gather of the slices, on every rank alike."""
+    piece = getattr(param, SLICE).to(device)
+    full = torch.empty(piece.numel() * comm.get_world_size(), dtype=piece.dtype, device=device)
+    comm.all_gather(full, piece)
+    return full[:param.numel()].view(param.shape)
 
 
 def set_data(param, value):
