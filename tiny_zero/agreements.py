@@ -12,9 +12,13 @@ agree(what, **values): every rank checks that every rank passed the same
 At exit (_settle_at_exit): the checks still in flight are waited for (a
     disagreement is told), then the process groups are destroyed, while the
     interpreter is whole: see there why a run would otherwise abort now and
-    then on its way out.
+    then on its way out. A run that failed (the script raised, or a
+    collective failed) ends at once instead (_end_failed_run).
 """
 import atexit
+import logging
+import os
+import signal
 import sys
 import weakref
 import zlib
@@ -196,9 +200,12 @@ def _settle_at_exit():
     for the groups only it holds: the side groups are let go here, and the
     world is destroyed here when the script did not. Not after a script that
     raised: a collective of its may still wait for the other ranks, and
-    joining its thread would wait with it (the run failed anyway). Deferred
-    checks are dropped, and no wait lasts over a minute: sending or waiting
-    now could wait for a rank that has gone."""
+    joining its thread would wait with it (the run failed anyway: see
+    _end_failed_run). Deferred checks are dropped, and no wait lasts over a
+    minute: sending or waiting now could wait for a rank that has gone."""
+    raised = getattr(sys, "last_value", None)  # the script raised: Python printed its traceback
+    if dist.is_initialized() and (raised is not None or comm.failed):
+        _end_failed_run(raised)
     comm.timeout = min(comm.timeout, timedelta(seconds=60))
     _deferred.clear()
     while _unsettled:
@@ -208,8 +215,29 @@ def _settle_at_exit():
             print(f"tiny_zero, at exit: {e}", file=sys.stderr)
         except RuntimeError:
             pass  # CollectiveError: the group was destroyed before it ran, or a rank has gone
-    if getattr(sys, "last_value", None) is not None:  # the script raised: Python printed its traceback
+    if raised is not None:
         return
     _side_groups.clear()  # their last references but torch's
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _end_failed_run(raised):
+    """Exit now, without tearing down the process groups: a failed run ends
+    within seconds of its error, on every rank (torchrun stops the others as
+    this one exits). Teardown would wait: gloo's process group joins its
+    worker thread, which may still wait in a collective that a rank never
+    joins, until gloo's own timeout (30 minutes, whatever comm.timeout says).
+    The code is Python's for what the script raised (1; SIGINT's for ^C);
+    1 where the script went on after a CollectiveError. The exit handlers
+    registered before tiny_zero was imported do not run, but logging's."""
+    if raised is None:
+        print(f"tiny_zero: a collective failed ({comm.failed}): exiting with code 1, without waiting for it",
+              file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if isinstance(raised, KeyboardInterrupt):  # as Python ends on ^C: by the signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(1)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 timeout = timedelta(minutes=10)
 where = "setup"  # what the strategy is doing now
 recorder = None  # while tiny_zero.measure.trace records a step: told of each collective and each wait
+failed = None  # the error of the first collective that failed: the run ends at exit without waiting (agreements.py)
 
 
 def set_timeout(seconds):
@@ -63,6 +64,8 @@ class Pending:
             # a peer that died fails the wait at once; a rank that never comes, at the timeout
             timed_out = waited >= 0.99 * timeout.total_seconds()
             how = f"timed out after {timeout}" if timed_out else f"failed after {waited:.1f} s of waiting"
+            global failed
+            failed = failed or f"{self.kind} in {self.where}, {how}"
             raise CollectiveError(
                 f"{self.kind} of {self.numel} elements, started in {self.where} and waited for in "
                 f"{where}, {how}: a rank may have skipped a forward or "
