@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import ROOT, run_checks  # noqa: E402
@@ -90,8 +91,37 @@ TIMEOUT = 4  # seconds, the collective timeout in these runs
 @pytest.mark.parametrize("name,case", [(name, case) for name in ALL for case in ("no_sync", "layer")] +
                          [("ddp", "step"), ("zero1", "step"), ("zero3", "last_step"),  # ddp defers its step's check
                           ("ddp", "write"), ("zero3", "write"), ("ddp", "skip"), ("zero2", "skip"),
-                          ("fsdp", "skip"), ("ddp", "save"), ("ddp", "clip"), ("zero2", "clip")])
+                          ("fsdp", "skip"), ("ddp", "save"), ("ddp", "clip"), ("zero2", "clip")] +
+                         [pytest.param(name, "rank0_eval", marks=pytest.mark.slow) for name in ("ddp", "zero2")])
 def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case, tmp_path):
+    outputs, reached = run_disagreeing(name, case, tmp_path)
+    if case == "last_step":  # nothing is sent after it: told by the exit handler
+        for rank, (code, out, err, ended) in enumerate(outputs):
+            assert code == 0 and "no error" in out, f"rank {rank}:\n{out}\n{err[-2000:]}"
+            assert "tiny_zero, at exit: ranks disagree on the optimizer step: parameters" in err, err[-3000:]
+        return
+    for rank, (code, out, err, ended) in enumerate(outputs):
+        assert code != 0, f"rank {rank} exited 0:\n{out}\n{err[-2000:]}"
+        assert "DisagreementError" in err or "CollectiveError" in err, f"rank {rank}:\n{err[-3000:]}"
+        if case == "step":
+            assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
+        if case == "write":
+            assert "parameters_written_in_place from 0 to 1" in err, f"rank {rank}:\n{err[-3000:]}"
+        if case == "save":
+            assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
+            assert not any(tmp_path.iterdir()), "the checkpoint of replicas apart was written"
+        if case == "rank0_eval":
+            assert "a rank ran a forward that expects a backward (not under torch.no_grad()) that the others did " \
+                "not run, or used other layers in it. Evaluate under torch.no_grad(), or on every rank" in err, \
+                f"rank {rank}:\n{err[-3000:]}"
+        if case in ("skip", "clip"):
+            assert "DisagreementError: ranks disagree on what to check" in err, f"rank {rank}:\n{err[-3000:]}"
+        assert ended - reached < TIMEOUT + 10, f"rank {rank} exited {ended - reached:.0f} s after the disagreement"
+
+
+def run_disagreeing(name, case, tmp_path):
+    """tests/disagree_check.py NAME CASE on two plain processes: [(exit code,
+    stdout, stderr, when it ended)] per rank, and when the last reached step 2."""
     port = free_port()
     procs = []
     for rank in range(2):
@@ -109,21 +139,26 @@ def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case, tmp_path):
         for p in procs:
             p.kill()
     reached = max(float(re.search(r"reached step 2 at (\S+)", out).group(1)) for _, out, _, _ in outputs)
-    if case == "last_step":  # nothing is sent after it: told by the exit handler
-        for rank, (code, out, err, ended) in enumerate(outputs):
-            assert code == 0 and "no error" in out, f"rank {rank}:\n{out}\n{err[-2000:]}"
-            assert "tiny_zero, at exit: ranks disagree on the optimizer step: parameters" in err, err[-3000:]
-        return
+    return outputs, reached
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,case", [(name, case) for name in ALL
+                                       for case in ("rank0_state_dict", "rank0_state_dict_no_barrier")])
+def test_a_state_dict_on_rank_0_alone(name, case, tmp_path):
+    """torch DDP's tutorial: rank 0 alone saves model.state_dict() mid-run,
+    then dist.barrier() (or not). Under ddp the state dict is local: the run
+    goes on and the file holds the values; elsewhere every rank raises the
+    state dict's own error at once, naming the fix."""
+    outputs, reached = run_disagreeing(name, case, tmp_path)
     for rank, (code, out, err, ended) in enumerate(outputs):
-        assert code != 0, f"rank {rank} exited 0:\n{out}\n{err[-2000:]}"
-        assert "DisagreementError" in err or "CollectiveError" in err, f"rank {rank}:\n{err[-3000:]}"
-        if case == "step":
-            assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
-        if case == "write":
-            assert "parameters_written_in_place from 0 to 1" in err, f"rank {rank}:\n{err[-3000:]}"
-        if case == "save":
-            assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
-            assert not any(tmp_path.iterdir()), "the checkpoint of replicas apart was written"
-        if case in ("skip", "clip"):
-            assert "DisagreementError: ranks disagree on what to check" in err, f"rank {rank}:\n{err[-3000:]}"
-        assert ended - reached < TIMEOUT + 10, f"rank {rank} exited {ended - reached:.0f} s after the disagreement"
+        if name == "ddp":
+            assert code == 0 and "no error" in out, f"rank {rank}:\n{out}\n{err[-3000:]}"
+        else:
+            assert code != 0, f"rank {rank} exited 0:\n{out}\n{err[-2000:]}"
+            assert "ranks disagree on a state dict of the model, which some ranks take and others do not" in err, \
+                f"rank {rank}:\n{err[-3000:]}"
+            assert ended - reached < TIMEOUT, f"rank {rank} exited {ended - reached:.0f} s after step 2"
+    if name == "ddp":
+        saved = torch.load(tmp_path / "model.pt")
+        assert saved and all(k.startswith("module.") for k in saved), sorted(saved)

@@ -119,14 +119,32 @@ SLOTS = 32  # numbers per agreement: always as many, so that ranks at different 
 
 def _message(checks):
     """The numbers one agreement sends for `checks`: first a name of what is
-    checked (the checks and their values' names, equal wherever the ranks
-    are at the same checks), then the values, padded with zeros to SLOTS.
-    Values past the last slot but one are folded into it."""
-    names = "|".join(f"{what}:{','.join(values)}" for what, values in checks)
+    checked (_name), then the values, padded with zeros to SLOTS. Values
+    past the last slot but one are folded into it."""
     numbers = [v for _, values in checks for v in values.values()]
     if len(numbers) > SLOTS - 1:
         numbers = numbers[:SLOTS - 2] + [value_hash(numbers[SLOTS - 2:])]
-    return [value_hash(names)] + numbers + [0] * (SLOTS - 1 - len(numbers))
+    return [_name(checks)] + numbers + [0] * (SLOTS - 1 - len(numbers))
+
+
+def _name(checks):
+    """A number for the checks and their values' names: equal wherever the ranks are at the same checks."""
+    return value_hash("|".join(f"{what}:{','.join(values)}" for what, values in checks))
+
+
+# what a value that differs means, in words, after its numbers
+MEANING = {"layers_used_in_forward": ": a rank ran a forward that expects a backward (not under torch.no_grad()) "
+                                     "that the others did not run, or used other layers in it. Evaluate under "
+                                     "torch.no_grad(), or on every rank"}
+
+# the check of model.state_dict() where parameters are sharded (state_dicts.py: meet_for_state_dict)
+TAKING_STATE_DICT = "a state dict of the model"
+STATE_DICT_ALONE = (
+    "a state dict of the model, which some ranks take and others do not. Where the parameters are "
+    "sharded (zero1, zero2, zero3, fsdp, offload), model.state_dict() and model.full_state_dict() are "
+    "collectives: call them on every rank, then save on rank 0 alone; or, under zero1, zero2 and offload, "
+    "take model.module.state_dict() on one rank (the module holds whole values between steps). Under "
+    "ddp a state dict is local")
 
 
 def _send(group, checks):
@@ -155,6 +173,8 @@ def check_agreements():
         with _disable_current_modes():
             pending.wait()
         low, high = (-everyone[SLOTS:]).tolist(), everyone[:SLOTS].tolist()
+        if low[0] != high[0] and _name([(TAKING_STATE_DICT, {})]) in (low[0], high[0]):
+            _disagree(STATE_DICT_ALONE)
         if low[0] != high[0]:
             _disagree(f"what to check: this rank is at {named}, another rank at something else (a backward "
                       "pass, an optimizer step or a gather that this rank did not reach, or reached in another order)")
@@ -168,7 +188,7 @@ def check_agreements():
                     _spreads[name] = (low[i], high[i])
                     low[i] = high[i]  # differing is allowed
                 elif i <= direct and low[i] != high[i]:
-                    ranges.append(f"{name} from {low[i]} to {high[i]} (this rank: {value})")
+                    ranges.append(f"{name} from {low[i]} to {high[i]} (this rank: {value}){MEANING.get(name, '')}")
                 i += 1
             if ranges:
                 differ.append(f"{what}: {'; '.join(ranges)}")

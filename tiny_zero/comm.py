@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 timeout = timedelta(minutes=10)
@@ -190,6 +191,15 @@ def exchange(sends=(), recvs=(), group=None):
     if len(works) < len(ops):  # grouped: one work for all of them
         return [], pending
     return pending[:len(sends)], pending[len(sends):]
+
+
+def barrier(group=None):
+    """Wait until every rank is here. Unlike the collectives above, it does
+    not settle the agreements in flight first: it meets torch's own
+    dist.barrier() on a rank that is not at them (state_dicts.py:
+    meet_for_state_dict)."""
+    flag = torch.zeros(1)
+    Pending(dist.barrier(group=group, async_op=True), "barrier", flag).wait()
 
 
 def all_gather_object(obj):
