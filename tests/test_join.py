@@ -13,7 +13,8 @@ from harness import run_world  # noqa: E402
 ALL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_join_equals_torch_ddps_join(world_size):
     failures = [f for rank in run_world(world_size, "join_checks", "join_equals_torch_ddp", ALL, timeout=300)
                 for f in rank]

@@ -32,8 +32,8 @@ One training step, its moments (in the folder) and every collective it sends:
     opt.zero_grad()   clear_grads()
 
 What keeps torch's conventions (p.grad, zero_grad, in-place writes, state
-dicts, hooks) is in files a first reader may skip: grads.py,
-state_dicts.py, guards.py, module/hooks.py.
+dicts, hooks, torch's Join) is in files a first reader may skip: grads.py,
+state_dicts.py, guards.py, module/hooks.py, join.py.
 
 Gradients, one vocabulary:
 
