@@ -218,11 +218,11 @@ def _settle_at_exit():
     Destroying a group joins its worker threads (with the GIL released), so
     they let go of everything now. torch's destroy_process_group() does that
     for the groups only it holds: the side groups are let go here, and the
-    world is destroyed here when the script did not. Not after a script that
-    raised: a collective of its may still wait for the other ranks, and
-    joining its thread would wait with it (the run failed anyway: see
-    _end_failed_run). Deferred checks are dropped, and no wait lasts over a
-    minute: sending or waiting now could wait for a rank that has gone."""
+    world is destroyed here when the script did not. A run that failed
+    ends first, without any of this (_end_failed_run): a collective of its
+    may still wait for the other ranks, and joining its thread would wait
+    with it. Deferred checks are dropped, and no wait lasts over a minute:
+    sending or waiting now could wait for a rank that has gone."""
     raised = getattr(sys, "last_value", None)  # the script raised: Python printed its traceback
     if dist.is_initialized() and (raised is not None or comm.failed):
         _end_failed_run(raised)
@@ -235,8 +235,6 @@ def _settle_at_exit():
             print(f"tiny_zero, at exit: {e}", file=sys.stderr)
         except RuntimeError:
             pass  # CollectiveError: the group was destroyed before it ran, or a rank has gone
-    if raised is not None:
-        return
     _side_groups.clear()  # their last references but torch's
     if dist.is_initialized():
         dist.destroy_process_group()
