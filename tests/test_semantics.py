@@ -15,9 +15,11 @@ to None outside zero_grad(), torch.autograd.grad and create_graph refused,
 evaluation under no_grad (on rank 0 alone too), a parameter used outside its
 layer refused, grads read or added to after a clip, a parameter written in
 place after wrapping. Ranks that disagree (no_sync on
-one rank, a layer used on one rank, a parameter written in place on one rank)
-end in tiny_zero's error on every rank,
-and every process exits non-zero in time."""
+one rank, a layer used on one rank, a parameter written in place on one rank,
+an evaluation outside no_grad on rank 0 alone) end in tiny_zero's error on
+every rank, and every process exits non-zero in time. A state dict saved by
+rank 0 alone, as torch DDP's tutorial does: local under ddp, the same clear
+error on every rank at once elsewhere."""
 import os
 import re
 import socket
