@@ -74,6 +74,8 @@ def main():
         if case.startswith("rank0_state_dict") and step == 2:
             if rank == 0:
                 torch.save(model.state_dict(), Path(os.environ["SAVE_DIR"]) / "model.pt")
+                if name == "ddp":  # the values the module holds, to compare with
+                    torch.save(model.module.state_dict(), Path(os.environ["SAVE_DIR"]) / "module.pt")
             if case == "rank0_state_dict":
                 dist.barrier()
     if case == "save":

@@ -162,5 +162,6 @@ def test_a_state_dict_on_rank_0_alone(name, case, tmp_path):
                 f"rank {rank}:\n{err[-3000:]}"
             assert ended - reached < TIMEOUT, f"rank {rank} exited {ended - reached:.0f} s after step 2"
     if name == "ddp":
-        saved = torch.load(tmp_path / "model.pt")
-        assert saved and all(k.startswith("module.") for k in saved), sorted(saved)
+        saved, held = torch.load(tmp_path / "model.pt"), torch.load(tmp_path / "module.pt")
+        assert sorted(saved) == sorted(f"module.{k}" for k in held), sorted(saved)
+        assert all(torch.equal(saved[f"module.{k}"], v) for k, v in held.items())
