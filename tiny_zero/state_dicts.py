@@ -52,8 +52,8 @@ class WrapperStateDicts:
         torch's tutorial takes it on rank 0 alone. Elsewhere a collective:
         every rank must call it (meet_for_state_dict)."""
         comm.where = "full_state_dict"
-        if self.grads_replicated:
-            self.copy_param_writes(self.param_writes())  # still counted at the next step, which every replica agrees on
+        if self.grads_replicated:  # still counted at the next step, which every replica agrees on
+            self.copy_param_writes(self.param_writes())
         else:
             self.meet_for_state_dict()
             self.adopt_param_writes()
@@ -196,6 +196,8 @@ class WrapperStateDicts:
             written = self.param_writes()
             agreements.agree("the parameters written in place", group=self.replica_group, wait=False,
                        parameters_written_in_place=len(written))
+        if not written:
+            return
         self.copy_param_writes(written)
         self.versions = param_versions(self.named_params)
 
@@ -203,8 +205,6 @@ class WrapperStateDicts:
     def copy_param_writes(self, written):
         """Carry the writes in `written` ({name: parameter}) into what this
         rank holds (see adopt_param_writes)."""
-        if not written:
-            return
         pieces = {}
         for piece in self.all_pieces():
             if piece.name in written:
