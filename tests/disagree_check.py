@@ -16,6 +16,12 @@ tests/test_semantics.py: `python tests/disagree_check.py STRATEGY CASE`.
     skip      at step 2, rank 1 skips its backward pass (as a loop that
               skips a batch whose loss is not finite would): the ranks are
               at different checks, and their messages are the same size
+    rank0_eval  at step 2, before its training forward, rank 0 alone runs an
+              evaluation forward outside torch.no_grad()
+    rank0_state_dict   at step 2, after the step, rank 0 alone takes
+              model.state_dict() and saves it, then every rank calls
+              dist.barrier(), as torch DDP's tutorial does (ddp: no error)
+    rank0_state_dict_no_barrier   the same without the barrier
 
 Every rank must end in tiny_zero's error and exit non-zero; on success the
 script prints "no error" and exits 0. Each rank prints when it reaches step
@@ -47,6 +53,8 @@ def main():
         model.module.use_sometimes = step % 2 == 0
         if case == "layer" and odd:
             model.module.use_sometimes = not model.module.use_sometimes
+        if case == "rank0_eval" and step == 2 and rank == 0:
+            model(*my_rows(global_batch(step)))
         loss = model(*my_rows(global_batch(step)))
         if case == "no_sync" and odd:
             with model.no_sync():
@@ -63,6 +71,13 @@ def main():
             write_one_parameter(model.module)
         opt.step()
         opt.zero_grad()
+        if case.startswith("rank0_state_dict") and step == 2:
+            if rank == 0:
+                torch.save(model.state_dict(), Path(os.environ["SAVE_DIR"]) / "model.pt")
+                if name == "ddp":  # the values the module holds, to compare with
+                    torch.save(model.module.state_dict(), Path(os.environ["SAVE_DIR"]) / "module.pt")
+            if case == "rank0_state_dict":
+                dist.barrier()
     if case == "save":
         checkpoint.save(Path(os.environ["SAVE_DIR"]) / "ckpt", model, opt)
     print("no error")

@@ -17,6 +17,8 @@ def misuse():
         "wrap twice": lambda: tiny_zero.Zero3(model.module),
         "wrong optimizer": lambda: tiny_zero.FSDPAdamW(model, lr=1e-3),
         "plain module": lambda: tiny_zero.DDPAdamW(ParityNet(), lr=1e-3),
+        "float64 module": lambda: tiny_zero.DDP(ParityNet().double()),
+        "inside torch DDP": lambda: tiny_zero.DDP(torch.nn.parallel.DistributedDataParallel(ParityNet())),
     }.items():
         try:
             attempt()

@@ -13,6 +13,10 @@ or with --skip-nonfinite skips those steps and says how many.
 A peer that dies: the surviving rank's error names what it was doing
 (full_state_dict) and says the collective failed at once, not after the
 timeout.
+
+A run that fails ends in seconds: under torchrun, one rank raises, leaves
+early or stalls past the collective timeout; every process is gone within
+30 s of it, each other rank with a non-zero code and its error printed.
 """
 import os
 import re
@@ -233,6 +237,37 @@ def peer_dies_in_full_state_dict():
         print(f"{type(e).__name__}: {e}")
     sys.stdout.flush()
     os._exit(0)  # no teardown of a group whose peer has gone
+
+
+FAILED_RUNS = [(name, "stall") for name in ("ddp", "zero1", "zero2", "zero3", "fsdp", "offload")] + \
+              [("zero3", "raise"), ("zero2", "leave")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,case", FAILED_RUNS)
+def test_a_failed_run_ends_in_seconds_on_every_rank(name, case, tmp_path):
+    """tests/failed_run_check.py under torchrun: rank 1 raises, leaves or
+    stalls at step 2. Each other rank's collective fails (at once, or at
+    the 3 s timeout), and its process must end within 30 s of rank 1's act,
+    non-zero, with its error printed; torchrun stops the rest. Before,
+    gloo's teardown waited in a collective that never ends (30 minutes)."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    command = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", str(ROOT / "tests" / "failed_run_check.py"),
+               name, case]
+    with Launched(command, tmp_path, "run", {**ENV, "PID_DIR": str(pids)}) as run:
+        code = run.wait(timeout=90)
+        ended = time.time()
+    out, err = run.stdout, run.err_path.read_text()
+    acted = float(re.search(r"acting at (\S+)", out)[1])
+    assert ended - acted < 30, f"ended {ended - acted:.0f} s after rank 1 acted:\n{run.output()}"
+    assert code != 0 and "no error" not in out, run.output()
+    codes = {int(rank): int(code) for rank, code in
+             re.findall(r"rank\s*: (\d+) \(local_rank.*\n\s*exitcode\s*: (-?\d+)", err)}
+    assert codes.get(0, 0) != 0, f"rank 0 exited 0:\n{run.output()}"
+    assert ("CollectiveError" if case != "raise" else "ValueError: rank 1 raises on purpose") in err, run.output()
+    for pid in pids.iterdir():  # no worker is left behind torchrun
+        assert not Path(f"/proc/{pid.name}").exists(), f"process {pid.name} still runs:\n{run.output()}"
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["peer-dies"]:

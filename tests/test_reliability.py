@@ -14,6 +14,8 @@ def test_misuse_raises_on_every_rank():
         assert "already wrapped by Zero2" in errors["wrap twice"]
         assert "FSDPAdamW steps a FSDP-wrapped model, got Zero2" in errors["wrong optimizer"]
         assert "got ParityNet" in errors["plain module"]
+        assert "emb.weight is torch.float64: " in errors["float64 module"]
+        assert "the module is torch's DistributedDataParallel: wrap its .module" in errors["inside torch DDP"]
         assert errors["step before backward moved"] == []
 
 

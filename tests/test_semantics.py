@@ -15,9 +15,11 @@ to None outside zero_grad(), torch.autograd.grad and create_graph refused,
 evaluation under no_grad (on rank 0 alone too), a parameter used outside its
 layer refused, grads read or added to after a clip, a parameter written in
 place after wrapping. Ranks that disagree (no_sync on
-one rank, a layer used on one rank, a parameter written in place on one rank)
-end in tiny_zero's error on every rank,
-and every process exits non-zero in time."""
+one rank, a layer used on one rank, a parameter written in place on one rank,
+an evaluation outside no_grad on rank 0 alone) end in tiny_zero's error on
+every rank, and every process exits non-zero in time. A state dict saved by
+rank 0 alone, as torch DDP's tutorial does: local under ddp, the same clear
+error on every rank at once elsewhere."""
 import os
 import re
 import socket
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import ROOT, run_checks  # noqa: E402
@@ -91,13 +94,42 @@ TIMEOUT = 4  # seconds, the collective timeout in these runs
 DISAGREE = ([(name, case) for name in ALL for case in ("no_sync", "layer")] +
             [("ddp", "step"), ("zero1", "step"), ("zero3", "last_step"),  # ddp defers its step's check
              ("ddp", "write"), ("zero3", "write"), ("ddp", "skip"), ("zero2", "skip"),
-             ("fsdp", "skip"), ("ddp", "save"), ("ddp", "clip"), ("zero2", "clip")])
+             ("fsdp", "skip"), ("ddp", "save"), ("ddp", "clip"), ("zero2", "clip"),
+             ("ddp", "rank0_eval"), ("zero2", "rank0_eval")])
 QUICK_DISAGREE = [("zero2", "no_sync")]  # the quick tier's one; the full grid runs every case
 
 
 @pytest.mark.parametrize("name,case", [case if case in QUICK_DISAGREE else pytest.param(*case, marks=pytest.mark.slow)
                                        for case in DISAGREE])
 def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case, tmp_path):
+    outputs, reached = run_disagreeing(name, case, tmp_path)
+    if case == "last_step":  # nothing is sent after it: told by the exit handler
+        for rank, (code, out, err, ended) in enumerate(outputs):
+            assert code == 0 and "no error" in out, f"rank {rank}:\n{out}\n{err[-2000:]}"
+            assert "tiny_zero, at exit: ranks disagree on the optimizer step: parameters" in err, err[-3000:]
+        return
+    for rank, (code, out, err, ended) in enumerate(outputs):
+        assert code != 0, f"rank {rank} exited 0:\n{out}\n{err[-2000:]}"
+        assert "DisagreementError" in err or "CollectiveError" in err, f"rank {rank}:\n{err[-3000:]}"
+        if case == "step":
+            assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
+        if case == "write":
+            assert "parameters_written_in_place from 0 to 1" in err, f"rank {rank}:\n{err[-3000:]}"
+        if case == "save":
+            assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
+            assert not any(tmp_path.iterdir()), "the checkpoint of replicas apart was written"
+        if case == "rank0_eval":
+            assert "a rank ran a forward that expects a backward (not under torch.no_grad()) that the others did " \
+                "not run, or used other layers in it. Evaluate under torch.no_grad(), or on every rank" in err, \
+                f"rank {rank}:\n{err[-3000:]}"
+        if case in ("skip", "clip"):
+            assert "DisagreementError: ranks disagree on what to check" in err, f"rank {rank}:\n{err[-3000:]}"
+        assert ended - reached < TIMEOUT + 10, f"rank {rank} exited {ended - reached:.0f} s after the disagreement"
+
+
+def run_disagreeing(name, case, tmp_path):
+    """tests/disagree_check.py NAME CASE on two plain processes: [(exit code,
+    stdout, stderr, when it ended)] per rank, and when the last reached step 2."""
     port = free_port()
     procs = []
     for rank in range(2):
@@ -115,21 +147,27 @@ def test_ranks_that_disagree_all_fail_clearly_and_exit(name, case, tmp_path):
         for p in procs:
             p.kill()
     reached = max(float(re.search(r"reached step 2 at (\S+)", out).group(1)) for _, out, _, _ in outputs)
-    if case == "last_step":  # nothing is sent after it: told by the exit handler
-        for rank, (code, out, err, ended) in enumerate(outputs):
-            assert code == 0 and "no error" in out, f"rank {rank}:\n{out}\n{err[-2000:]}"
-            assert "tiny_zero, at exit: ranks disagree on the optimizer step: parameters" in err, err[-3000:]
-        return
+    return outputs, reached
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,case", [(name, case) for name in ALL
+                                       for case in ("rank0_state_dict", "rank0_state_dict_no_barrier")])
+def test_a_state_dict_on_rank_0_alone(name, case, tmp_path):
+    """torch DDP's tutorial: rank 0 alone saves model.state_dict() mid-run,
+    then dist.barrier() (or not). Under ddp the state dict is local: the run
+    goes on and the file holds the values; elsewhere every rank raises the
+    state dict's own error at once, naming the fix."""
+    outputs, reached = run_disagreeing(name, case, tmp_path)
     for rank, (code, out, err, ended) in enumerate(outputs):
-        assert code != 0, f"rank {rank} exited 0:\n{out}\n{err[-2000:]}"
-        assert "DisagreementError" in err or "CollectiveError" in err, f"rank {rank}:\n{err[-3000:]}"
-        if case == "step":
-            assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
-        if case == "write":
-            assert "parameters_written_in_place from 0 to 1" in err, f"rank {rank}:\n{err[-3000:]}"
-        if case == "save":
-            assert "ranks disagree on the optimizer step: parameters from" in err, f"rank {rank}:\n{err[-3000:]}"
-            assert not any(tmp_path.iterdir()), "the checkpoint of replicas apart was written"
-        if case in ("skip", "clip"):
-            assert "DisagreementError: ranks disagree on what to check" in err, f"rank {rank}:\n{err[-3000:]}"
-        assert ended - reached < TIMEOUT + 10, f"rank {rank} exited {ended - reached:.0f} s after the disagreement"
+        if name == "ddp":
+            assert code == 0 and "no error" in out, f"rank {rank}:\n{out}\n{err[-3000:]}"
+        else:
+            assert code != 0, f"rank {rank} exited 0:\n{out}\n{err[-2000:]}"
+            assert "ranks disagree on a state dict of the model, which some ranks take and others do not" in err, \
+                f"rank {rank}:\n{err[-3000:]}"
+            assert ended - reached < TIMEOUT, f"rank {rank} exited {ended - reached:.0f} s after step 2"
+    if name == "ddp":
+        saved, held = torch.load(tmp_path / "model.pt"), torch.load(tmp_path / "module.pt")
+        assert sorted(saved) == sorted(f"module.{k}" for k in held), sorted(saved)
+        assert all(torch.equal(saved[f"module.{k}"], v) for k, v in held.items())

@@ -12,9 +12,13 @@ agree(what, **values): every rank checks that every rank passed the same
 At exit (_settle_at_exit): the checks still in flight are waited for (a
     disagreement is told), then the process groups are destroyed, while the
     interpreter is whole: see there why a run would otherwise abort now and
-    then on its way out.
+    then on its way out. A run that failed (the script raised, or a
+    collective failed) ends at once instead (_end_failed_run).
 """
 import atexit
+import logging
+import os
+import signal
 import sys
 import weakref
 import zlib
@@ -115,14 +119,32 @@ SLOTS = 32  # numbers per agreement: always as many, so that ranks at different 
 
 def _message(checks):
     """The numbers one agreement sends for `checks`: first a name of what is
-    checked (the checks and their values' names, equal wherever the ranks
-    are at the same checks), then the values, padded with zeros to SLOTS.
-    Values past the last slot but one are folded into it."""
-    names = "|".join(f"{what}:{','.join(values)}" for what, values in checks)
+    checked (_name), then the values, padded with zeros to SLOTS. Values
+    past the last slot but one are folded into it."""
     numbers = [v for _, values in checks for v in values.values()]
     if len(numbers) > SLOTS - 1:
         numbers = numbers[:SLOTS - 2] + [value_hash(numbers[SLOTS - 2:])]
-    return [value_hash(names)] + numbers + [0] * (SLOTS - 1 - len(numbers))
+    return [_name(checks)] + numbers + [0] * (SLOTS - 1 - len(numbers))
+
+
+def _name(checks):
+    """A number for the checks and their values' names: equal wherever the ranks are at the same checks."""
+    return value_hash("|".join(f"{what}:{','.join(values)}" for what, values in checks))
+
+
+# what a value that differs means, in words, after its numbers
+MEANING = {"layers_used_in_forward": ": a rank ran a forward that expects a backward (not under torch.no_grad()) "
+                                     "that the others did not run, or used other layers in it. Evaluate under "
+                                     "torch.no_grad(), or on every rank"}
+
+# the check of model.state_dict() where parameters are sharded (state_dicts.py: meet_for_state_dict)
+TAKING_STATE_DICT = "a state dict of the model"
+STATE_DICT_ALONE = (
+    "a state dict of the model, which some ranks take and others do not. Where the parameters are "
+    "sharded (zero1, zero2, zero3, fsdp, offload), model.state_dict() and model.full_state_dict() are "
+    "collectives: call them on every rank, then save on rank 0 alone; or, under zero1, zero2 and offload, "
+    "take model.module.state_dict() on one rank (the module holds whole values between steps). Under "
+    "ddp a state dict is local")
 
 
 def _send(group, checks):
@@ -151,6 +173,8 @@ def check_agreements():
         with _disable_current_modes():
             pending.wait()
         low, high = (-everyone[SLOTS:]).tolist(), everyone[:SLOTS].tolist()
+        if low[0] != high[0] and _name([(TAKING_STATE_DICT, {})]) in (low[0], high[0]):
+            _disagree(STATE_DICT_ALONE)
         if low[0] != high[0]:
             _disagree(f"what to check: this rank is at {named}, another rank at something else (a backward "
                       "pass, an optimizer step or a gather that this rank did not reach, or reached in another order)")
@@ -164,7 +188,7 @@ def check_agreements():
                     _spreads[name] = (low[i], high[i])
                     low[i] = high[i]  # differing is allowed
                 elif i <= direct and low[i] != high[i]:
-                    ranges.append(f"{name} from {low[i]} to {high[i]} (this rank: {value})")
+                    ranges.append(f"{name} from {low[i]} to {high[i]} (this rank: {value}){MEANING.get(name, '')}")
                 i += 1
             if ranges:
                 differ.append(f"{what}: {'; '.join(ranges)}")
@@ -194,11 +218,14 @@ def _settle_at_exit():
     Destroying a group joins its worker threads (with the GIL released), so
     they let go of everything now. torch's destroy_process_group() does that
     for the groups only it holds: the side groups are let go here, and the
-    world is destroyed here when the script did not. Not after a script that
-    raised: a collective of its may still wait for the other ranks, and
-    joining its thread would wait with it (the run failed anyway). Deferred
-    checks are dropped, and no wait lasts over a minute: sending or waiting
-    now could wait for a rank that has gone."""
+    world is destroyed here when the script did not. A run that failed
+    ends first, without any of this (_end_failed_run): a collective of its
+    may still wait for the other ranks, and joining its thread would wait
+    with it. Deferred checks are dropped, and no wait lasts over a minute:
+    sending or waiting now could wait for a rank that has gone."""
+    raised = getattr(sys, "last_value", None)  # the script raised: Python printed its traceback
+    if dist.is_initialized() and (raised is not None or comm.failed):
+        _end_failed_run(raised)
     comm.timeout = min(comm.timeout, timedelta(seconds=60))
     _deferred.clear()
     while _unsettled:
@@ -208,8 +235,27 @@ def _settle_at_exit():
             print(f"tiny_zero, at exit: {e}", file=sys.stderr)
         except RuntimeError:
             pass  # CollectiveError: the group was destroyed before it ran, or a rank has gone
-    if getattr(sys, "last_value", None) is not None:  # the script raised: Python printed its traceback
-        return
     _side_groups.clear()  # their last references but torch's
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _end_failed_run(raised):
+    """Exit now, without tearing down the process groups: a failed run ends
+    within seconds of its error, on every rank (torchrun stops the others as
+    this one exits). Teardown would wait: gloo's process group joins its
+    worker thread, which may still wait in a collective that a rank never
+    joins, until gloo's own timeout (30 minutes, whatever comm.timeout says).
+    The code is Python's for what the script raised (1; SIGINT's for ^C);
+    1 where the script went on after a CollectiveError. The exit handlers
+    registered before tiny_zero was imported do not run, but logging's."""
+    if raised is None:
+        print(f"tiny_zero: a collective failed ({comm.failed}): exiting with code 1, without waiting for it",
+              file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if isinstance(raised, KeyboardInterrupt):  # as Python ends on ^C: by the signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(1)

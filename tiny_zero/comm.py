@@ -24,11 +24,13 @@ import time
 from collections import defaultdict
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 timeout = timedelta(minutes=10)
 where = "setup"  # what the strategy is doing now
 recorder = None  # while tiny_zero.measure.trace records a step: told of each collective and each wait
+failed = None  # the error of the first collective that failed: the run ends at exit without waiting (agreements.py)
 
 
 def set_timeout(seconds):
@@ -67,6 +69,8 @@ class Pending:
             # a peer that died fails the wait at once; a rank that never comes, at the timeout
             timed_out = waited >= 0.99 * timeout.total_seconds()
             how = f"timed out after {timeout}" if timed_out else f"failed after {waited:.1f} s of waiting"
+            global failed
+            failed = failed or f"{self.kind} in {self.where}, {how}"
             raise CollectiveError(
                 f"{self.kind} of {self.numel} elements, started in {self.where} and waited for in "
                 f"{where}, {how}: a rank may have skipped a forward or "
@@ -194,6 +198,15 @@ def exchange(sends=(), recvs=(), group=None):
     if len(works) < len(ops):  # grouped: one work for all of them
         return [], pending
     return pending[:len(sends)], pending[len(sends):]
+
+
+def barrier(group=None):
+    """Wait until every rank is here. Unlike the collectives above, it does
+    not settle the agreements in flight first: it meets torch's own
+    dist.barrier() on a rank that is not at them (state_dicts.py:
+    meet_for_state_dict)."""
+    flag = torch.zeros(1)
+    Pending(dist.barrier(group=group, async_op=True), "barrier", flag).wait()
 
 
 def all_gather_object(obj):

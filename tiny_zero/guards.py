@@ -9,16 +9,28 @@ import zlib
 from array import array
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves  # a foreach op takes lists of grads
 
 from . import comm
 
 
 def check_not_wrapped(module):
-    for layer in module.modules():
+    """Wrapped once: by one tiny_zero strategy, and not inside torch's DDP or
+    FSDP, whose own collectives would run beside the strategy's and fail
+    differently on each rank at the next step."""
+    for path, layer in module.named_modules():
         if "wrapper" in layer.__dict__:
             raise RuntimeError(f"{type(module).__name__} is already wrapped by "
                                f"{type(layer.__dict__['wrapper']).__name__}: wrap the plain module once")
+        where = f"{type(module).__name__}.{path}" if path else "the module"
+        if isinstance(layer, DistributedDataParallel):
+            raise RuntimeError(f"{where} is torch's DistributedDataParallel: wrap its .module (the "
+                               "plain module) with tiny_zero instead, not both")
+        if isinstance(layer, FSDPModule):
+            raise RuntimeError(f"{where} is sharded by torch's fully_shard (FSDP2): wrap the plain module with "
+                               "tiny_zero instead, not both")
 
 
 def check_same_model_on_all_ranks(module):

@@ -42,6 +42,8 @@ class ClipAndScale:
         # every rank clips, by the same max_norm (a rank alone would send the norm's all-reduce alone, or
         # under ddp, which sends none, step its replica apart); checked before the rank's next collective
         agreements.agree("clip_grad_norm_", wait=False, max_norm=agreements.value_hash(float(max_norm)))
+        if self._join_config.enable:  # a rank that runs out clips as its last step did (join.py)
+            self.join_clip = max_norm
         self.forget_cleared_grads()
         self.apply_clip()  # a second clip sees the grads of the first, as torch's
         total_norm = self.grad_square_sum().sqrt()
@@ -231,6 +233,8 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
             model.loss_scaler.update(found_inf)
             self.skips.add_(found_inf)
         model.sync_params()
+        if model._join_config.enable:  # a rank that runs out steps with this optimizer (join.py)
+            model.join_optimizer = self
         model.steps += 1
         model.backwards = 0
         return loss

@@ -41,6 +41,20 @@ def cast_floating_inputs(dtype):
     return cast
 
 
+def check_param_dtypes(module, mixed_precision):
+    """Without mixed precision a strategy trains in float32 (its flat buffers,
+    masters and AdamW are float32). A float64 module (module.double() before
+    wrapping) is refused rather than rounded to float32 without a word, after
+    which a float64 batch would fail inside torch."""
+    if mixed_precision is not None:
+        return  # asked for: the module is cast to it
+    for name, p in module.named_parameters():
+        if p.dtype == torch.float64:
+            raise TypeError(f"{name} is torch.float64: tiny_zero's strategies train in float32 (or bf16 and fp16 "
+                            "with mixed_precision=), and would round it. Call module.float() before wrapping "
+                            "(and give float32 inputs), or train float64 with torch's DistributedDataParallel")
+
+
 def param_dtype(mixed_precision):
     if mixed_precision not in DTYPES:
         raise ValueError(f"mixed_precision must be one of {list(DTYPES)}, got {mixed_precision!r}")

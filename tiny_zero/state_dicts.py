@@ -47,16 +47,23 @@ class WrapperStateDicts:
         raise NotImplementedError
 
     def full_state_dict(self, prefix=""):
-        """Full fp32 values (the masters), keys as module.state_dict(prefix=prefix), on every rank."""
+        """Full fp32 values (the masters), keys as module.state_dict(prefix=prefix).
+        Where every rank holds every value (ddp) it is local, as torch DDP's:
+        torch's tutorial takes it on rank 0 alone. Elsewhere a collective:
+        every rank must call it (meet_for_state_dict)."""
         comm.where = "full_state_dict"
-        self.adopt_param_writes()
+        if self.grads_replicated:  # still counted at the next step, which every replica agrees on
+            self.copy_param_writes(self.param_writes())
+        else:
+            self.meet_for_state_dict()
+            self.adopt_param_writes()
         full = self.gather_full()
         return {k: full[v] if v in full else v.detach().float().cpu().clone()
                 for k, v in self.module.state_dict(prefix=prefix, keep_vars=True).items()}
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        """Full fp32 values on every rank, keys as torch DDP's ("module.x");
-        a collective where parameters are sharded: call it on every rank."""
+        """Full fp32 values, keys as torch DDP's ("module.x"); a collective
+        where parameters are sharded: call it on every rank."""
         out = {} if destination is None else destination
         out.update(self.full_state_dict(prefix + "module."))
         return out
@@ -68,6 +75,22 @@ class WrapperStateDicts:
         values = {"module." + k.removeprefix("module."): v for k, v in state_dict.items()}
         return loaded_with_hooks(self.module, values, "module.", strict, getattr(state_dict, "_metadata", {}),
                                  lambda below, strict: self.load_subtree(below, strict, type(self).__name__))
+
+    def meet_for_state_dict(self):
+        """Every rank takes the state dict, or every rank raises the same
+        error, at once, naming the fix. torch DDP's tutorial takes it on rank
+        0 alone, then calls dist.barrier(): so the check goes out without
+        waiting, then a barrier that such a rank's barrier meets, and the check
+        is settled after it. A rank that went on meets the check at its next
+        backward or gather (agreements: the state dict's own error); one that
+        stopped at the barrier goes on to meet it there."""
+        agreements.agree(agreements.TAKING_STATE_DICT, wait=False)
+        try:
+            comm.barrier()
+        except comm.CollectiveError:  # a rank that raised at the check, and left: its error, told here too
+            agreements.check_agreements()
+            raise
+        agreements.check_agreements()
 
     @torch.no_grad()
     def load_subtree(self, values, strict, who, prefix=""):
@@ -175,6 +198,13 @@ class WrapperStateDicts:
                        parameters_written_in_place=len(written))
         if not written:
             return
+        self.copy_param_writes(written)
+        self.versions = param_versions(self.named_params)
+
+    @torch.no_grad()
+    def copy_param_writes(self, written):
+        """Carry the writes in `written` ({name: parameter}) into what this
+        rank holds (see adopt_param_writes)."""
         pieces = {}
         for piece in self.all_pieces():
             if piece.name in written:
@@ -191,7 +221,6 @@ class WrapperStateDicts:
                 take_written_(piece.tensor[place], values[piece.lo:piece.hi])
                 if piece.tensor in self.working:
                     self.working[piece.tensor][place] = piece.tensor[place]
-        self.versions = param_versions(self.named_params)
 
     def refuse_lost_writes(self, lost):
         """Raise on every replica if a write is lost on any (a rank may hold

@@ -32,8 +32,8 @@ One training step, its moments (in the folder) and every collective it sends:
     opt.zero_grad()   clear_grads()
 
 What keeps torch's conventions (p.grad, zero_grad, in-place writes, state
-dicts, hooks) is in files a first reader may skip: grads.py,
-state_dicts.py, guards.py, module/hooks.py.
+dicts, hooks, torch's Join) is in files a first reader may skip: grads.py,
+state_dicts.py, guards.py, module/hooks.py, join.py.
 
 Gradients, one vocabulary:
 
@@ -60,6 +60,7 @@ from . import agreements, comm
 from .grads import GRAD, TorchGrads
 from .guards import ForwardedAttributes, parameter_hash, sequence_hash
 from .holding import Holding
+from .join import Joining
 from .module import expects_backward, in_backward_pass, recorded
 from .module import layer_classes as module_layer_classes
 from .optimizer import ClipAndScale
@@ -128,7 +129,8 @@ def layer_classes(mixin):
     return module_layer_classes(StrategyLayer, mixin, LayerMoments, name_from=mixin)
 
 
-class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperStateDicts, ForwardedAttributes, nn.Module):
+class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperStateDicts, ForwardedAttributes, Joining,
+              nn.Module):
     """What every strategy's wrapper shares. A strategy sets layer_classes and
     fills in the moments below (and zero_grad's clear_grads, p.grad's
     grad_attr, the state dicts' pieces and gather_full); the backward's
@@ -224,6 +226,8 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
     # ------------------------------------------------------------ one step's bookkeeping
 
     def forward(self, *args, **kwargs):
+        if self._join_config.enable:  # inside torch's Join: ranks that ran out shadow this iteration (join.py)
+            self.notify_join(args, kwargs)
         return self.module(*args, **kwargs)
 
     def backward(self, loss):

@@ -12,7 +12,7 @@ from .buckets import ParamSet
 from .distributed import init_distributed, local_device
 from .guards import check_not_wrapped, check_same_model_on_all_ranks
 from .module import CallbackLayer, check_supported, swap_layers
-from .precision import LossScaler, cast_floating_inputs, param_dtype
+from .precision import LossScaler, cast_floating_inputs, check_param_dtypes, param_dtype
 from .state_dicts import param_versions
 
 REQUIRES_GRAD = attrgetter("requires_grad")  # read by map(), over many parameters in C
@@ -25,6 +25,7 @@ class Wrapping:
         super().__init__()
         check_supported(module)  # local, before any collective: every rank raises alike
         check_not_wrapped(module)
+        check_param_dtypes(module, mixed_precision)
         self.param_dtype = param_dtype(mixed_precision)
         self.reduce_dtype = reduce_dtype or self.param_dtype
         if loss_scaler is not None and mixed_precision != "fp16":
