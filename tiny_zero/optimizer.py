@@ -14,7 +14,7 @@ import torch
 from . import agreements, comm
 from .optim import adamw_update_
 from .optim.adamw import check_group, check_hparams, check_options
-from .state_dicts import OptimizerStateDicts
+from .optimizer_state_dicts import OptimizerStateDicts
 
 
 class ClipAndScale:

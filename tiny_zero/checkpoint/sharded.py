@@ -17,8 +17,9 @@ from tqdm import tqdm
 
 from .. import agreements, comm
 from ..materialize import weights_loaded
-from ..state_dicts import param_group_differences, state_dict_names
-from ..state_dicts import some as _some
+from ..optimizer_state_dicts import param_group_differences
+from ..optimizer_state_dicts import some as _some
+from ..state_dicts import state_dict_names
 
 log = logging.getLogger("tiny_zero")
 
