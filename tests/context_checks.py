@@ -53,3 +53,73 @@ def ulysses_refuses(heads, kv_heads):
     except ValueError as e:
         return str(e)
     return f"no error with {heads}/{kv_heads} heads on {size} ranks"
+
+
+def build(kind, heads):
+    """A tiny causal language model: the example GPT, or a Hugging Face Llama with GQA."""
+    if kind == "gpt":
+        from example.model import build_model
+        return build_model("tiny", n_head=heads, n_embd=8 * heads)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=8 * heads, intermediate_size=16 * heads, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=64,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def run(model, kind, x):
+    """The loss, called as each model takes its targets: the GPT's targets, Hugging Face's labels."""
+    if kind == "gpt":
+        return model(x[:, :-1], x[:, 1:])
+    return model(input_ids=x, labels=x).loss
+
+
+def model_parity(kind, method, cp_size, steps=3, heads=4, length=16):
+    """[failures] of ContextParallel against single-process torch: the outputs,
+    the loss of every step and every parameter after `steps` AdamW steps."""
+    import copy
+    from tiny_zero.context import ContextParallel, ContextParallelAdamW
+    module = build(kind, heads)
+    reference = copy.deepcopy(module)
+    model = ContextParallel(module, method=method, cp_size=cp_size)
+    # eps=1, as DESIGN.md says for attention models: the k bias's grad is rounding alone, which eps=1e-8 would blow up
+    options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1.0, weight_decay=0.1)
+    opt, ref_opt = ContextParallelAdamW(model, **options), torch.optim.AdamW(reference.parameters(), **options)
+    rows = 2
+    failures = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 256, (rows * model.replicas, length + (kind == "gpt")), generator=g)
+        mine = x[model.replica * rows:(model.replica + 1) * rows]
+        if step == 0:
+            tokens = mine[:, :length]
+            logits = model(tokens) if kind == "gpt" else model(input_ids=tokens).logits
+            want = reference(tokens) if kind == "gpt" else reference(input_ids=tokens).logits
+            failures += differences("logits", model.gather_sequence(logits), want.detach())
+        loss = run(model, kind, mine)
+        with torch.no_grad():
+            failures += differences(f"step {step} loss", loss.detach(), run(reference, kind, mine))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        run(reference, kind, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = model.full_state_dict()
+    for name, value in reference.state_dict().items():
+        failures += differences(f"{name} after {steps} steps", full[name], value)
+    return failures
+
+
+def refused(kind, method, cp_size, heads, length):
+    """The error ContextParallel gives for a sequence that does not split, or
+    heads that Ulysses cannot split; or a line saying there was none."""
+    from tiny_zero.context import ContextParallel
+    model = ContextParallel(build(kind, heads), method=method, cp_size=cp_size)
+    x = torch.randint(0, 256, (2, length + 1), generator=torch.Generator().manual_seed(0))
+    try:
+        run(model, kind, x)
+    except ValueError as e:
+        return str(e)
+    return f"no error: {kind} {method} heads={heads} length={length}"

@@ -1,7 +1,13 @@
-"""Context parallelism (tiny_zero.context): ring attention and Ulysses on a
-share of the sequence equal torch's attention on the whole of it, causal and
-not, with grouped key/value heads too. The quick tier runs one world of 2;
-the world of 4 is in the slow tier."""
+"""Context parallelism (tiny_zero.context) equals single-process torch.
+
+Ring attention and Ulysses on a share of the sequence equal torch's attention
+on the whole of it (outputs and the grads of q, k, v), causal and not, with
+grouped key/value heads too. ContextParallel trains the example GPT and a
+Hugging Face Llama with GQA as torch does on one process: the outputs, the
+loss of every step and every parameter after AdamW steps; with context x ddp
+too. Bad input gets one clear error on every rank.
+
+The quick tier runs one world of 2; the other worlds are in the slow tier."""
 import sys
 from pathlib import Path
 
@@ -11,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from harness import run_checks  # noqa: E402
 
+METHODS = ("ring", "ulysses")
 
 
 def attention_plan(size):
@@ -21,18 +28,40 @@ def attention_plan(size):
             ("refused", "ulysses_refuses", (2 * size, size // 2))]
 
 
-def check_world(results, size):
-    for method in ("ring", "ulysses"):
-        for rank, failures in enumerate(results[method]):
-            assert not failures, f"rank {rank} of {size}: {failures}"
-    for message in results["refused"]:
-        assert "must both divide by" in message, message
+def model_plan(kind, cp_size, heads):
+    return [(f"{kind} {method} cp={cp_size}", "model_parity", (kind, method, cp_size, 3, heads)) for method in METHODS]
+
+
+def errors_plan(size):
+    """A length that does not split (ring cuts 2C chunks), and heads that Ulysses cannot split."""
+    return [("length", "refused", ("gpt", "ring", size, 2 * size, 2 * size * 4 + size)),
+            ("heads", "refused", ("gpt", "ulysses", size, size + 1, 4 * size))]
+
+
+def check(results):
+    for key, per_rank in results.items():
+        if key == "refused":
+            assert all("must both divide by" in message for message in per_rank), per_rank
+        elif key == "length":
+            assert all("does not split into" in message for message in per_rank), per_rank
+        elif key == "heads":
+            assert all("must both divide by" in message for message in per_rank), per_rank
+        else:
+            for rank, failures in enumerate(per_rank):
+                assert not failures, f"{key}, rank {rank}: {failures}"
 
 
 def test_world2():
-    check_world(run_checks(2, "context_checks", attention_plan(2)), 2)
+    check(run_checks(2, "context_checks", attention_plan(2) + model_plan("gpt", 2, 4) + errors_plan(2)))
+
+
+@pytest.mark.slow
+def test_llama_world2():
+    check(run_checks(2, "context_checks", model_plan("llama", 2, 4)))
 
 
 @pytest.mark.slow
 def test_world4():
-    check_world(run_checks(4, "context_checks", attention_plan(4)), 4)
+    """Context over 4 ranks, and context 2 x ddp 2."""
+    check(run_checks(4, "context_checks", attention_plan(4) + model_plan("gpt", 4, 4) + model_plan("llama", 4, 8)
+                     + model_plan("gpt", 2, 4) + model_plan("llama", 2, 4) + errors_plan(4), timeout=600))
