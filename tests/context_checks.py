@@ -55,8 +55,31 @@ def ulysses_refuses(heads, kv_heads):
     return f"no error with {heads}/{kv_heads} heads on {size} ranks"
 
 
+class Encoder(torch.nn.Module):
+    """A tiny model whose every token attends to every other (is_causal=False)."""
+
+    def __init__(self, heads):
+        super().__init__()
+        torch.manual_seed(0)
+        width, self.heads = 8 * heads, heads
+        self.wte, self.wpe = torch.nn.Embedding(256, width), torch.nn.Embedding(64, width)
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, 256)
+
+    def forward(self, idx, targets=None, position_ids=None):
+        positions = torch.arange(idx.shape[1]) if position_ids is None else position_ids
+        x = self.wte(idx) + self.wpe(positions)
+        rows, length, width = x.shape
+        q, k, v = (t.view(rows, length, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v)
+        logits = self.head(x + self.out(y.transpose(1, 2).reshape(rows, length, width)))
+        return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def build(kind, heads):
-    """A tiny causal language model: the example GPT, or a Hugging Face Llama with GQA."""
+    """A tiny model: the example GPT or a Hugging Face Llama with GQA (causal), or Encoder (not)."""
+    if kind == "encoder":
+        return Encoder(heads)
     if kind == "gpt":
         from example.model import build_model
         return build_model("tiny", n_head=heads, n_embd=8 * heads)
@@ -70,7 +93,7 @@ def build(kind, heads):
 
 def run(model, kind, x):
     """The loss, called as each model takes its targets: the GPT's targets, Hugging Face's labels."""
-    if kind == "gpt":
+    if kind != "llama":
         return model(x[:, :-1], x[:, 1:])
     return model(input_ids=x, labels=x).loss
 
@@ -90,12 +113,12 @@ def model_parity(kind, method, cp_size, steps=3, heads=4, length=16):
     failures = []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
-        x = torch.randint(0, 256, (rows * model.replicas, length + (kind == "gpt")), generator=g)
+        x = torch.randint(0, 256, (rows * model.replicas, length + (kind != "llama")), generator=g)
         mine = x[model.replica * rows:(model.replica + 1) * rows]
         if step == 0:
             tokens = mine[:, :length]
-            logits = model(tokens) if kind == "gpt" else model(input_ids=tokens).logits
-            want = reference(tokens) if kind == "gpt" else reference(input_ids=tokens).logits
+            logits = model(tokens) if kind != "llama" else model(input_ids=tokens).logits
+            want = reference(tokens) if kind != "llama" else reference(input_ids=tokens).logits
             failures += differences("logits", model.gather_sequence(logits), want.detach())
         loss = run(model, kind, mine)
         with torch.no_grad():

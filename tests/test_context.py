@@ -2,8 +2,8 @@
 
 Ring attention and Ulysses on a share of the sequence equal torch's attention
 on the whole of it (outputs and the grads of q, k, v), causal and not, with
-grouped key/value heads too. ContextParallel trains the example GPT and a
-Hugging Face Llama with GQA as torch does on one process: the outputs, the
+grouped key/value heads too. ContextParallel trains the example GPT, a
+Hugging Face Llama with GQA and a non-causal encoder as torch does on one process: the outputs, the
 loss of every step and every parameter after AdamW steps; with context x ddp
 too. Bad input gets one clear error on every rank.
 
@@ -52,7 +52,8 @@ def check(results):
 
 
 def test_world2():
-    check(run_checks(2, "context_checks", attention_plan(2) + model_plan("gpt", 2, 4) + errors_plan(2)))
+    check(run_checks(2, "context_checks", attention_plan(2) + model_plan("gpt", 2, 4) + model_plan("encoder", 2, 4)
+                     + errors_plan(2)))
 
 
 @pytest.mark.slow
@@ -64,4 +65,5 @@ def test_llama_world2():
 def test_world4():
     """Context over 4 ranks, and context 2 x ddp 2."""
     check(run_checks(4, "context_checks", attention_plan(4) + model_plan("gpt", 4, 4) + model_plan("llama", 4, 8)
-                     + model_plan("gpt", 2, 4) + model_plan("llama", 2, 4) + errors_plan(4), timeout=600))
+                     + model_plan("encoder", 4, 4) + model_plan("gpt", 2, 4) + model_plan("llama", 2, 4)
+                     + model_plan("encoder", 2, 4) + errors_plan(4), timeout=600))

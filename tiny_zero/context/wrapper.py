@@ -57,7 +57,7 @@ class ContextParallel(DDP):
         super().__init__(module, **options)  # ddp's: parameters replicated, grads averaged over the world
         self.method, self.cp_size, self.cp_rank = method, cp_size, rank % cp_size
         self.attention, self.positions_of, self.chunks_per_rank = METHODS[method]
-        self.replica, self.replicas = rank // cp_size, world_size // cp_size
+        self.replica, self.replicas = rank // cp_size, world_size // cp_size  # the data-parallel ones: rows of a batch
         groups = [agreements.new_group(range(r * cp_size, (r + 1) * cp_size)) for r in range(self.replicas)]
         self.context_group = next(g for g in groups if g is not None)
 
@@ -78,7 +78,8 @@ class ContextParallel(DDP):
         call.arguments["position_ids"] = mine.unsqueeze(0)  # STRATEGY: rotary and learned positions follow the slice
         if "attention_mask" in self.signature.parameters and call.arguments.get("attention_mask") is None:
             # all ones: a mask Hugging Face skips (is_causal); left out, it reads the zigzag's jump as packed sequences
-            call.arguments["attention_mask"] = torch.ones_like(mine).unsqueeze(0)
+            rows = next(v.shape[0] for v in call.arguments.values() if torch.is_tensor(v) and v.dim() >= 2)
+            call.arguments["attention_mask"] = torch.ones((rows, len(mine)), dtype=torch.long, device=self.device)
         with self.attention_over_the_group():
             out = super().forward(*call.args, **call.kwargs)
         if targets is None:
@@ -133,6 +134,12 @@ class ContextParallel(DDP):
         comm.all_reduce(total, group=self.context_group)  # STRATEGY: the whole sequence's loss, on every rank
         part = loss * (share * self.cp_size)
         return part + (total.to(loss.dtype) - part.detach())
+
+    def pieces_to_save(self):
+        """Every rank holds every parameter (the ranks of a context group too):
+        each writes its round-robin share of the world's."""
+        self.adopt_param_writes()
+        return self.pieces()[self.rank::self.world_size]
 
     @torch.no_grad()
     def gather_sequence(self, local, dim=1):
