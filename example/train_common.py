@@ -427,7 +427,7 @@ class Accounting:
         if self.strategy == "pipeline":
             lines = self.stage_lines(numel, n)
         elif self.strategy == "context":  # ddp's model state; its communication is attention's and ddp's
-            lines = self.memory_lines(module, numel, precision, n) + self.context_comm_lines()
+            lines = self.memory_lines(module, numel, precision, n) + self.context_comm_lines(module)
         elif self.strategy == "tensor":
             lines = self.memory_lines(model.module, sum(p.numel() for p in model.module.parameters()), precision, n)
             lines += self.tensor_comm_lines(module)
@@ -484,12 +484,17 @@ class Accounting:
                      "peak comes in backward, when some grads are not made yet or sit in buckets: comm buffers)")
         return lines
 
-    def context_comm_lines(self):
-        """What a context-parallel step sent: attention's P2P or all-to-alls, the loss's and ddp's all-reduces."""
+    def context_comm_lines(self, module):
+        """What a context-parallel step sent (attention's P2P or all-to-alls, the
+        loss's and ddp's all-reduces), next to tiny_zero.measure.estimate."""
+        model, args = self.model, self.args
         per_step = {kind: count / max(self.steps, 1) for kind, count in self.sent.items()}
-        kinds = ", ".join(f"{kind} {count:,.0f}" for kind, count in per_step.items())
-        return [f"communication per training step (tiny_zero.comm, {self.steps} steps)",
-                f"  collective sizes: {kinds or 'none'} elements", *loop_collectives(self.model)]
+        expected = estimate.context_comm_per_step(module, model.method, model.cp_size, model.replicas,
+                                                  args.batch_size, args.seq_len)
+        sizes = lambda kinds: ", ".join(f"{kind} {count:,.0f}" for kind, count in kinds.items()) or "none"  # noqa: E731
+        return [f"communication per training step (tiny_zero.comm, {self.steps} steps; every rank alike)",
+                f"  collective sizes: {sizes(per_step)} elements", *loop_collectives(model),
+                f"  tiny_zero.measure.estimate: {sizes(expected)} elements (without the grad norm's scalar all-reduce)"]
 
     def stage_lines(self, numel, n):
         """A pipeline's report, stage by stage (the first replica of each):
