@@ -98,17 +98,20 @@ def run(model, kind, x):
     return model(input_ids=x, labels=x).loss
 
 
-def model_parity(kind, method, cp_size, steps=3, heads=4, length=16):
-    """[failures] of ContextParallel against single-process torch: the outputs,
-    the loss of every step and every parameter after `steps` AdamW steps."""
+def model_parity(kind, method, cp_size, steps=3, heads=4, length=16, strategy=None):
+    """[failures] of ContextParallel (or context over `strategy`'s wrapper,
+    such as "zero2") against single-process torch: the outputs, the loss of
+    every step and every parameter after `steps` AdamW steps."""
     import copy
-    from tiny_zero.context import ContextParallel, ContextParallelAdamW
+    import tiny_zero
+    from tiny_zero.context import ContextParallel, ContextParallelAdamW, data_parallel
     module = build(kind, heads)
     reference = copy.deepcopy(module)
-    model = ContextParallel(module, method=method, cp_size=cp_size)
+    wrapper, adamw = (ContextParallel, ContextParallelAdamW) if strategy is None else tiny_zero.STRATEGIES[strategy]
+    model = (wrapper if strategy is None else data_parallel(wrapper))(module, method=method, cp_size=cp_size)
     # eps=1, as DESIGN.md says for attention models: the k bias's grad is rounding alone, which eps=1e-8 would blow up
     options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1.0, weight_decay=0.1)
-    opt, ref_opt = ContextParallelAdamW(model, **options), torch.optim.AdamW(reference.parameters(), **options)
+    opt, ref_opt = adamw(model, **options), torch.optim.AdamW(reference.parameters(), **options)
     rows = 2
     failures = []
     for step in range(steps):

@@ -63,7 +63,13 @@ def test_llama_world2():
 
 @pytest.mark.slow
 def test_world4():
-    """Context over 4 ranks, and context 2 x ddp 2."""
+    """Context over 4 ranks, and context 2 x ddp 2 (and x zero2, x fsdp)."""
     check(run_checks(4, "context_checks", attention_plan(4) + model_plan("gpt", 4, 4) + model_plan("llama", 4, 8)
                      + model_plan("encoder", 4, 4) + model_plan("gpt", 2, 4) + model_plan("llama", 2, 4)
-                     + model_plan("encoder", 2, 4) + errors_plan(4), timeout=600))
+                     + model_plan("encoder", 2, 4) + errors_plan(4) + over_plan(), timeout=600))
+
+
+def over_plan():
+    """Context 2 x zero2 and x fsdp 2: the parameters, grads and state sharded over all 4 ranks."""
+    return [(f"gpt {method} cp=2 x {strategy}", "model_parity", ("gpt", method, 2, 3, 4, 16, strategy))
+            for strategy in ("zero2", "fsdp") for method in METHODS]

@@ -2,6 +2,6 @@
 from .optim import ContextParallelAdamW
 from .ring import ring_attention
 from .ulysses import ulysses_attention
-from .wrapper import ContextParallel
+from .wrapper import ContextParallel, data_parallel
 
-__all__ = ["ContextParallel", "ContextParallelAdamW", "ring_attention", "ulysses_attention"]
+__all__ = ["ContextParallel", "ContextParallelAdamW", "data_parallel", "ring_attention", "ulysses_attention"]

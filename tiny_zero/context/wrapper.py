@@ -2,6 +2,7 @@
 group; the context groups are data-parallel replicas.
 
     ContextParallel(module, method="ring", cp_size=C)   # or method="ulysses"
+    data_parallel(Zero2)(module, method="ring", cp_size=C)  # over zero2's (or fsdp's, ...) wrapper
 
 The world is C x R ranks. Ranks r*C .. r*C + C-1 are replica r's context
 group: each is given replica r's whole batch (token ids and targets, which
@@ -12,7 +13,8 @@ attention computes token by token; for the length of the module's forward,
 F.scaled_dot_product_attention is ring or Ulysses attention over the context
 group (ring.py, ulysses.py).
 
-A rank holds: every parameter, its grad and its optimizer state, as ddp's;
+A rank holds: every parameter, its grad and its optimizer state, as ddp's
+(or what the data-parallel wrapper holds, sharded over all C x R ranks);
 the activations of its 1/C of the tokens.
 Collectives: in a context group, attention's (P2P of k and v around a ring, or
 all-to-alls of heads) in every attention forward and backward, and one
@@ -40,7 +42,9 @@ TARGETS = ("targets", "labels")  # the module's argument a loss reads: the examp
 IGNORE_INDEX = -100  # the targets that count in no loss (F.cross_entropy's and Hugging Face's default)
 
 
-class ContextParallel(DDP):
+class ContextSplit:
+    """Context parallelism's forward over a data-parallel wrapper (the class it
+    is mixed into: ddp's in ContextParallel, any with data_parallel())."""
     defer_step_agreement = False  # the loss's all_reduce runs in forward
 
     def __init__(self, module, method="ring", cp_size=None, **options):
@@ -54,7 +58,7 @@ class ContextParallel(DDP):
         if "position_ids" not in self.signature.parameters:
             raise TypeError(f"{type(module).__name__}.forward takes no position_ids: every rank would number its "
                             "tokens from 0. Give it a position_ids argument (as Hugging Face models have)")
-        super().__init__(module, **options)  # ddp's: parameters replicated, grads averaged over the world
+        super().__init__(module, **options)  # the data-parallel wrapper's: grads averaged over the world
         self.method, self.cp_size, self.cp_rank = method, cp_size, rank % cp_size
         self.attention, self.positions_of, self.chunks_per_rank = METHODS[method]
         self.replica, self.replicas = rank // cp_size, world_size // cp_size  # the data-parallel ones: rows of a batch
@@ -136,10 +140,13 @@ class ContextParallel(DDP):
         return part + (total.to(loss.dtype) - part.detach())
 
     def pieces_to_save(self):
-        """Every rank holds every parameter (the ranks of a context group too):
-        each writes its round-robin share of the world's."""
+        """The data-parallel wrapper shards and replicates over the world, not
+        over the replicas of rows: each rank writes its round-robin share of
+        the world's replicated pieces."""
         self.adopt_param_writes()
-        return self.pieces()[self.rank::self.world_size]
+        pieces = self.pieces()
+        replicated = [p for p in pieces if p.replicated]
+        return [p for p in pieces if not p.replicated] + replicated[self.rank::self.world_size]
 
     @torch.no_grad()
     def gather_sequence(self, local, dim=1):
@@ -154,6 +161,16 @@ class ContextParallel(DDP):
         whole = torch.empty_like(gathered)
         whole[order] = gathered
         return whole.movedim(0, dim)
+
+
+class ContextParallel(ContextSplit, DDP):
+    """Context parallelism with ddp's wrapper: every rank holds every parameter, its grad and its state."""
+
+
+def data_parallel(wrapper_class):
+    """Context parallelism over another data-parallel wrapper class (Zero2, FSDP,
+    ...): its optimizer steps it, as `Zero2AdamW(data_parallel(Zero2)(module, "ring"))`."""
+    return type(f"Context{wrapper_class.__name__}", (ContextSplit, wrapper_class), {})
 
 
 def sequence_length(arguments):
