@@ -149,3 +149,30 @@ def refused(kind, method, cp_size, heads, length):
     except ValueError as e:
         return str(e)
     return f"no error: {kind} {method} heads={heads} length={length}"
+
+
+def save_and_load(root):
+    """[failures]: a ContextParallel checkpoint, loaded into a fresh one, gives
+    the same parameters; and activation checkpointing is refused."""
+    import tiny_zero
+    from tiny_zero.context import ContextParallel, ContextParallelAdamW
+    model = ContextParallel(build("gpt", 4))
+    opt = ContextParallelAdamW(model, lr=1e-2, eps=1.0)
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    run(model, "gpt", x).backward()
+    opt.step()
+    tiny_zero.checkpoint.save(root, model, opt, step=1)
+    fresh = ContextParallel(build("gpt", 4))
+    fresh_opt = ContextParallelAdamW(fresh, lr=1e-2, eps=1.0)
+    info = tiny_zero.checkpoint.load(root, fresh, fresh_opt)
+    saved, loaded = model.full_state_dict(), fresh.full_state_dict()
+    failures = [] if info["step"] == 1 else [f"step {info['step']}"]
+    failures += [f"{name} not loaded" for name in saved if not torch.equal(saved[name], loaded[name])]
+    module = build("gpt", 4)
+    module.config.checkpoint_activations = True
+    try:
+        ContextParallel(module)
+        failures.append("activation checkpointing not refused")
+    except ValueError as e:
+        failures += [] if "activation checkpointing" in str(e) else [str(e)]
+    return failures

@@ -57,8 +57,10 @@ def test_world2():
 
 
 @pytest.mark.slow
-def test_llama_world2():
-    check(run_checks(2, "context_checks", model_plan("llama", 2, 4)))
+def test_llama_world2(tmp_path):
+    """And a checkpoint that loads back; activation checkpointing refused."""
+    check(run_checks(2, "context_checks", model_plan("llama", 2, 4)
+                     + [("checkpoint", "save_and_load", (str(tmp_path / "ckpt"),))]))
 
 
 @pytest.mark.slow

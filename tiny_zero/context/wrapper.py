@@ -58,6 +58,11 @@ class ContextSplit:
         if "position_ids" not in self.signature.parameters:
             raise TypeError(f"{type(module).__name__}.forward takes no position_ids: every rank would number its "
                             "tokens from 0. Give it a position_ids argument (as Hugging Face models have)")
+        if getattr(getattr(module, "config", None), "checkpoint_activations", False) or \
+                getattr(module, "is_gradient_checkpointing", False):
+            # the recomputation runs in backward, after the forward gave torch's attention back
+            raise ValueError("context parallelism does not run under activation checkpointing: the recomputed "
+                             "attention would see this rank's tokens only. Turn checkpointing off")
         super().__init__(module, **options)  # the data-parallel wrapper's: grads averaged over the world
         self.method, self.cp_size, self.cp_rank = method, cp_size, rank % cp_size
         self.attention, self.positions_of, self.chunks_per_rank = METHODS[method]
