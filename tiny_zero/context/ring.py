@@ -154,12 +154,13 @@ class RingAttention(torch.autograd.Function):
                 wait_dkv()  # the grads of this block's k and v so far, from the ranks it has passed
                 dkv = received_dkv
             dkv[..., cols, :] += block_dkv
-            if ring.size == 1:
-                return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
-            wait_dkv, received_dkv = ring.pass_on(dkv)  # STRATEGY: the grads go on with their block
             if step < ring.size - 1:
+                wait_dkv, received_dkv = ring.pass_on(dkv)  # STRATEGY: the grads go on with their block
                 wait_kv()
                 kv = next_kv
-        wait_dkv()  # after C passes, every block's grads are home
-        dk, dv = received_dkv
+        if ring.size > 1:
+            wait_dkv, received_dkv = ring.pass_on(dkv)  # STRATEGY: the last pass takes each block's grads home
+            wait_dkv()
+            dkv = received_dkv
+        dk, dv = dkv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
