@@ -71,6 +71,11 @@ class ContextSplit:
         self.context_group = next(g for g in groups if g is not None)
 
     def forward(self, *args, **kwargs):
+        """The module on this rank's tokens of the whole sequences it is given,
+        at their positions, with attention over the context group. Returns the
+        loss over the whole sequences when targets are given (the GPT's
+        targets, Hugging Face's labels: in its output's loss), else the
+        module's output for this rank's tokens (gather_sequence joins them)."""
         call = self.signature.bind(*args, **kwargs)
         length = sequence_length(call.arguments)
         parts = self.chunks_per_rank * self.cp_size
