@@ -75,3 +75,22 @@ def over_plan():
     """Context 2 x zero2 and x fsdp 2: the parameters, grads and state sharded over all 4 ranks."""
     return [(f"gpt {method} cp=2 x {strategy}", "model_parity", ("gpt", method, 2, 3, 4, 16, strategy))
             for strategy in ("zero2", "fsdp") for method in METHODS]
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_zigzag_gives_every_rank_the_same_causal_work(size):
+    """docs/context.md's figure: under a causal mask each rank computes its own
+    block and C-1 half blocks, (C+1)/2 blocks, where the last rank of a
+    contiguous split computes C."""
+    from tiny_zero.context.ring import Ring
+    tokens = 4  # a rank's share: two chunks of 2
+    work = []
+    for me in range(size):
+        ring = object.__new__(Ring)  # the ring's arithmetic, without a process group
+        ring.me, ring.size = me, size
+        scores = 0
+        for step in range(size):
+            rows, cols, _ = ring.meeting(step, True, tokens // 2)
+            scores += len(range(tokens)[rows]) * len(range(tokens)[cols])
+        work.append(scores)
+    assert work == [(size + 1) * tokens ** 2 // 2] * size
