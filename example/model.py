@@ -156,10 +156,12 @@ class GPT(nn.Module):
             residual = name.endswith(".c_proj.weight")  # residual projections, scaled by depth
             normal_(tensor, self.seed, name, 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.shape[1]
         assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
-        pos = torch.arange(T, device=idx.device)
+        # position_ids: where these tokens sit in the sequence (a rank's share of it, under context parallelism)
+        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids
         x = self.drop(self.wte(idx) + self.wpe(pos))
         x = run_blocks(self, self.blocks, x)
         return logits_or_loss(self.lm_head(self.ln_f(x)), targets)

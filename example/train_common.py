@@ -42,6 +42,7 @@ from tiny_zero import comm
 from tiny_zero.measure import draw, estimate, trace
 from tiny_zero.distributed import uses_cuda
 from tiny_zero.measure.memory import TensorMemory
+from tiny_zero.context import ContextParallel
 from tiny_zero.pipeline import Pipeline
 from tiny_zero.tensor import TensorParallel
 
@@ -50,7 +51,8 @@ from tiny_zero.tensor import TensorParallel
 atexit.register(gc.collect)
 
 MAX_GRAD_NORM = 1.0
-OTHER_WRAPPERS = {"pipeline": Pipeline, "tensor": TensorParallel}  # not in tiny_zero.STRATEGIES
+OTHER_WRAPPERS = {"pipeline": Pipeline, "tensor": TensorParallel,  # not in tiny_zero.STRATEGIES
+                  "context": ContextParallel}  # first: it is a DDP
 TRACED_STEP = 2  # --trace records the third step: the first two warm up (optimizer state, the layer order)
 
 
@@ -402,7 +404,7 @@ class Accounting:
 
     def __init__(self, model, opt, memory, args):
         self.model, self.memory, self.args = model, memory, args
-        wrappers = {name: wrapper for name, (wrapper, _) in tiny_zero.STRATEGIES.items()} | OTHER_WRAPPERS
+        wrappers = OTHER_WRAPPERS | {name: wrapper for name, (wrapper, _) in tiny_zero.STRATEGIES.items()}
         self.strategy = next((name for name, cls in wrappers.items() if isinstance(model, cls)), "single")
         if memory is not None:
             memory.attach(model, opt)  # from now on the breakdown is taken at each new peak
@@ -424,6 +426,8 @@ class Accounting:
         numel = sum(p.numel() for p in module.parameters())
         if self.strategy == "pipeline":
             lines = self.stage_lines(numel, n)
+        elif self.strategy == "context":  # ddp's model state; its communication is attention's and ddp's
+            lines = self.memory_lines(module, numel, precision, n) + self.context_comm_lines(module)
         elif self.strategy == "tensor":
             lines = self.memory_lines(model.module, sum(p.numel() for p in model.module.parameters()), precision, n)
             lines += self.tensor_comm_lines(module)
@@ -445,7 +449,7 @@ class Accounting:
         peak, breakdown, allocator, placement = everyone[top]
         fmt = estimate.fmt_bytes
         # one device holds what ddp holds; a tensor parallel rank, what ddp would hold of its slices
-        held_like = self.strategy if self.strategy not in ("single", "tensor") else "ddp"
+        held_like = self.strategy if self.strategy not in ("single", "tensor", "context") else "ddp"
         partition = estimate.model_state(module, held_like, n, precision)[top]
         formula = estimate.zero_formula(held_like, numel, n, precision)
         terms = estimate.formula_terms(held_like, precision)
@@ -479,6 +483,18 @@ class Accounting:
         lines.append("  (tiny_zero: what its partition holds after a step, with padding and owner table. The "
                      "peak comes in backward, when some grads are not made yet or sit in buckets: comm buffers)")
         return lines
+
+    def context_comm_lines(self, module):
+        """What a context-parallel step sent (attention's P2P or all-to-alls, the
+        loss's and ddp's all-reduces), next to tiny_zero.measure.estimate."""
+        model, args = self.model, self.args
+        per_step = {kind: count / max(self.steps, 1) for kind, count in self.sent.items()}
+        expected = estimate.context_comm_per_step(module, model.method, model.cp_size, model.replicas,
+                                                  args.batch_size, args.seq_len)
+        sizes = lambda kinds: ", ".join(f"{kind} {count:,.0f}" for kind, count in kinds.items()) or "none"  # noqa: E731
+        return [f"communication per training step (tiny_zero.comm, {self.steps} steps; every rank alike)",
+                f"  collective sizes: {sizes(per_step)} elements", *loop_collectives(model),
+                f"  tiny_zero.measure.estimate: {sizes(expected)} elements (without the grad norm's scalar all-reduce)"]
 
     def stage_lines(self, numel, n):
         """A pipeline's report, stage by stage (the first replica of each):

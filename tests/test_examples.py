@@ -94,6 +94,16 @@ def test_tensor_parallel_prints_the_single_device_losses(single_device_losses):
     assert two_ranks == pytest.approx(single_device_losses, rel=1e-5, abs=0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_context_parallel_prints_the_single_device_losses(method, single_device_losses):
+    """example/context at 2 ranks is one replica: each rank keeps half of every sequence of the batch of 4."""
+    out = torchrun("context", *TINY, "--steps", "4", "--batch-size", "4", "--method", method)
+    assert losses(out) == pytest.approx(single_device_losses, rel=1e-5, abs=0)
+    sent = re.search(r"collective sizes: (.*) elements", out).group(1)
+    assert re.search(r"tiny_zero.measure.estimate: (.*) elements", out).group(1) == sent  # the estimate is exact
+
+
 @pytest.mark.skipif("zero3" not in tiny_zero.STRATEGIES, reason="tiny_zero.zero3 is not there yet")
 def test_readme_main_command():
     """torchrun --nproc_per_node 2 example/zero3/train.py, shortened to 5 steps."""

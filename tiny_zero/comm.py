@@ -3,7 +3,7 @@ strategy decision: what to send, where, and when to wait and free is in the
 strategy folders (and units.py, for zero3's and fsdp's gathers).
 
 Collectives: all_reduce, reduce_scatter, all_gather, broadcast, reduce; and
-    point to point, send, recv and exchange (several at once).
+    point to point, send, recv and exchange (several at once); all_to_all.
     Thin calls of torch.distributed that record what they move in `stats`
     (calls, elements and bytes per kind: the whole buffer of the collective;
     each rank sends and receives about (N-1)/N of it). Each returns a Pending
@@ -167,6 +167,13 @@ def reduce(tensor, dst, async_op=False, group=None):
     """Sum `tensor` over ranks into rank `dst` (in place there)."""
     return _run("reduce", tensor, lambda: dist.reduce(tensor, dst, group=group, async_op=True), async_op,
                 group, _nothing)
+
+
+def all_to_all(out, chunks, async_op=False, group=None):
+    """Chunk i of `chunks` (split along dim 0) to rank i of the group; `out`
+    gets rank i's chunk for this rank at chunk i."""
+    return _run("all_to_all", chunks, lambda: dist.all_to_all_single(out, chunks, group=group, async_op=True),
+                async_op, group, _copy(out, chunks))
 
 
 def send(tensor, dst, async_op=False, group=None):

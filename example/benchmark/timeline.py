@@ -5,7 +5,9 @@ falls through forward, backward and the step.
     torchrun --nproc_per_node 2 example/benchmark/timeline.py
 
 One process group, one run after another: single_device (on rank 0, with
-the global batch) and every tiny_zero strategy (tiny_zero.STRATEGIES), each on
+the global batch), every tiny_zero strategy (tiny_zero.STRATEGIES) and
+context (ring attention over all ranks, every rank given the same rows and
+keeping its share of each sequence; --runs picks some), each on
 the same example GPT, the same batches and the same training step as
 example/<strategy>/train.py (forward, backward, clip, AdamW, zero_grad).
 Buckets are --bucket-kb, so that a small model makes several of them: with
@@ -44,11 +46,12 @@ import tiny_zero
 from example import train_common as common
 from example.data import ByteData, load_text
 from example.model import CONFIGS, build_model
+from tiny_zero.context import ContextParallel, ContextParallelAdamW
 from tiny_zero.distributed import init_distributed, local_device
 from tiny_zero.measure import draw, trace
 from tiny_zero.measure.memory import TensorMemory
 
-RUNS = ["single_device", *tiny_zero.STRATEGIES]
+RUNS = ["single_device", *tiny_zero.STRATEGIES, "context"]
 BUCKETED = {"ddp", "zero1", "zero2", "zero3", "offload"}  # fsdp sends one unit per layer
 
 
@@ -64,6 +67,7 @@ def parse_args():
     p.add_argument("--repeat", type=int, default=3,
                    help="steps timed, then steps recorded; the recorded one whose slowest rank was fastest is "
                         "kept, as the least disturbed by other load (default: 3)")
+    p.add_argument("--runs", nargs="+", choices=RUNS, default=RUNS, help="which runs (default: all)")
     p.add_argument("--out", default="docs", help="where the PNGs go (default: docs)")
     p.add_argument("--traces", default=None, help="also write each run's Chrome/Perfetto JSON into this folder")
     args = p.parse_args()
@@ -81,8 +85,8 @@ def build(name, args, device):
     if name == "single_device":
         model = tiny_zero.module.swap_layers(module).to(device)
         return model, tiny_zero.optim.AdamW(common.param_groups(model, groups), lr=1e-3)
-    wrapper_class, adamw_class = tiny_zero.STRATEGIES[name]
-    options = {"bucket_bytes": args.bucket_kb * 1024} if name in BUCKETED else {}
+    wrapper_class, adamw_class = (ContextParallel, ContextParallelAdamW) if name == "context" else tiny_zero.STRATEGIES[name]
+    options = {"bucket_bytes": args.bucket_kb * 1024} if name in BUCKETED | {"context"} else {}
     model = wrapper_class(module, device=device, **options)
     return model, adamw_class(model, common.param_groups(model.module, groups), lr=1e-3)
 
@@ -107,13 +111,14 @@ def record(name, args, data, device):
     alone = name == "single_device"  # one process, the global batch
     rank, world_size = (0, 1) if alone else (dist.get_rank(), dist.get_world_size())
     rows = args.batch_size * (dist.get_world_size() if alone else 1)
+    replica = (0, 1) if name == "context" else (rank, world_size)  # context: the ranks share their rows
     recorded, seconds = [], {True: [], False: []}
     gc.collect()  # the previous run's tensors go before this one is counted
     with TensorMemory() as memory:  # counting from before the model is built, as the examples do
         model, opt = build(name, args, device)
         memory.attach(model, opt)
         for step in range(args.warmup + 2 * args.repeat):
-            x, y = (t.to(device) for t in data.get_batch("train", rows, step, 0, rank, world_size))
+            x, y = (t.to(device) for t in data.get_batch("train", rows, step, 0, *replica))
             recording = step >= args.warmup + args.repeat
             if recording:
                 recorder = trace.Recorder(model, opt, memory)
@@ -140,7 +145,7 @@ def main():
     device = local_device()
     data = ByteData(load_text(None), args.seq_len)
     results = []
-    for name in RUNS:
+    for name in args.runs:
         if name == "single_device" and rank != 0:
             dist.barrier()  # rank 0 runs it alone
             continue

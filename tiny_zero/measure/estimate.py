@@ -170,6 +170,37 @@ def tensor_comm_per_step(module, plan, tp_size, replicas, tokens):
     return {"all_reduce": activations + (held if replicas > 1 else 0)}
 
 
+def context_comm_per_step(module, method, cp_size, replicas, rows, tokens):
+    """{collective kind: elements} that context parallelism (tiny_zero.context)
+    sends in one step of `rows` sequences of `tokens` per replica, every
+    attention running once in forward and once in backward. Ring: k and v
+    (rows x tokens/C x kv width, together) go to the next rank C-1 times in
+    forward, C-1 times in backward with their grads C times. Ulysses: q, k, v
+    and the output go through an all-to-all in forward, and again in backward.
+    Then the loss's all-reduce (one number) and ddp's of the grads."""
+    layers, width, kv_width = attention_shapes(module)
+    share = rows * tokens // cp_size
+    sent = {}
+    if cp_size > 1 and method == "ring":
+        kv = 2 * share * kv_width
+        sent = {"send": layers * kv * (3 * cp_size - 2), "recv": layers * kv * (3 * cp_size - 2)}
+    elif cp_size > 1:
+        sent = {"all_to_all": layers * 2 * share * (2 * width + 2 * kv_width)}
+    held = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return {**sent, "all_reduce": 1 + (held if cp_size * replicas > 1 else 0)}
+
+
+def attention_shapes(module):
+    """(attention layers, query width, key/value width) from the config of the
+    example GPT or Llama, or of a Hugging Face decoder."""
+    config = module.config
+    layers = getattr(config, "n_layer", None) or config.num_hidden_layers
+    width = getattr(config, "n_embd", None) or config.hidden_size
+    heads = getattr(config, "n_head", None) or config.num_attention_heads
+    kv_heads = getattr(config, "n_kv_head", None) or getattr(config, "num_key_value_heads", None) or heads
+    return layers, width, width // heads * kv_heads
+
+
 def element_bytes(mixed_precision=None, strategy=None):
     """(P, K): bytes per parameter (and per gradient), and of AdamW state per parameter."""
     p = torch.finfo(param_dtype(mixed_precision)).bits // 8
