@@ -137,8 +137,8 @@ def gather_units(module, layers, units):
         for inner in m.modules():
             owner.setdefault(inner, m)  # the outermost chosen module holds a layer
     grouped = {}
-    for layer in layers:
-        grouped.setdefault(owner.get(layer, layer), []).append(layer)
+    for layer in layers:  # a hooked module's HookedLayer: in the unit of its module
+        grouped.setdefault(owner.get(getattr(layer, "module", layer), layer), []).append(layer)
     return list(grouped.items())
 
 
@@ -180,6 +180,8 @@ class Gathering:
     def reshard(self, layer):
         """After a layer computed: free the units the next layer does not use."""
         keep = self.order.still_needed()
+        if self.running:  # a hooked module that runs now: its units stay (hooked.py)
+            keep = [*keep, *(u for running in self.running for u in self.units_of[running])]
         for unit in [u for u in self.gathered if u not in keep]:
             self.free(unit)  # free behind: the next layer does not use it
 

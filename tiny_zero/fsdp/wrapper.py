@@ -23,7 +23,6 @@ import torch
 
 from .. import comm
 from ..buckets import Buckets, buckets_from_runs
-from ..module import CallbackLayer
 from ..step import Wrapper
 from ..units import Gathering, gather_units
 from .layers import LAYER_CLASSES
@@ -35,7 +34,7 @@ class FSDP(Gathering, Wrapper):
 
     def __init__(self, module, units=None, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
-        layers = [m for m in self.module.modules() if isinstance(m, CallbackLayer)]
+        layers = self.layers  # tiny_zero's layers and the hooked modules (hooked.py)
         units = flat_units(gather_units(self.module, layers, units), self.world_size)
         unit_of = {p: u for u in units for p in u.params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}

@@ -18,7 +18,6 @@ import torch
 
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs
-from ..module import CallbackLayer
 from ..step import Wrapper
 from ..units import Gathering, gather_units
 from .layers import LAYER_CLASSES
@@ -32,7 +31,7 @@ class Zero3(Gathering, Wrapper):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         table = owner_table([(n, p.numel()) for n, p in self.named_params], self.world_size)
         self.owner = {p: table[name] for name, p in self.named_params}  # STRATEGY: whole tensors, one owner each
-        layers = [m for m in self.module.modules() if isinstance(m, CallbackLayer)]
+        layers = self.layers  # tiny_zero's layers and the hooked modules (hooked.py)
         self.unit_params = unit_params(gather_units(self.module, layers, units))
         unit_of = {p: unit for unit, params in self.unit_params.items() for p in params}
         buckets = owner_buckets(self.trainable[::-1], self.owner, unit_of, bucket_bytes)  # grad-ready order
