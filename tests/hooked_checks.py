@@ -114,18 +114,18 @@ def released(p):
 
 
 def freed_checks(model, failures):
-    """fsdp: the hooked modules' parameters are freed after their forward
-    (seen from the head's forward) and after the backward; returns the check
-    to run after each backward."""
+    """fsdp: a hooked module outside the blocks (a unit of its own) has its
+    parameters freed as its forward returns (seen by a forward hook
+    registered after the wrapper's), and everything is freed after the
+    backward; returns the check to run after each backward."""
     module = model.module
-    hooked = [module.conv.weight, module.scale.cls, module.blocks[0].attn.in_proj_weight,
-              module.blocks[0].attn.out_proj.weight]
 
-    def in_forward(_, args):
-        if not all(released(p) for p in hooked):
-            failures.append("fsdp: a hooked module's parameters still gathered at the head's forward")
+    def after_forward(m, args, output):
+        if not all(released(p) for p in m.parameters()):
+            failures.append(f"fsdp: {type(m).__name__}'s parameters still gathered after its forward")
 
-    module.head.register_forward_pre_hook(in_forward)
+    for m in (module.conv, module.scale):
+        m.register_forward_hook(after_forward)
     return lambda: all(map(released, module.parameters())) or failures.append("fsdp: gathered after backward")
 
 
