@@ -85,9 +85,12 @@ def deberta():
     return model
 
 
-def build(name):
+def build(name, checkpointing=False):
     torch.manual_seed(0)
-    return configs()[name][0]()
+    model = configs()[name][0]()
+    if checkpointing:  # transformers' default: non-reentrant, which recomputes in backward what forward saved
+        model.gradient_checkpointing_enable()
+    return model
 
 
 def inputs(kind, step, world_size):
@@ -122,7 +125,7 @@ def rows(batch, labels, rank):
 
 def reference(name, world_size):
     """Per step: the loss (each rank's rows apart, averaged), then the parameters."""
-    model, kind = build(name), configs()[name][1]
+    model, kind = build(name), configs()[name][1]  # never checkpointed: the same numbers
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=WD)
     losses = []
     for step in range(STEPS):
@@ -135,9 +138,9 @@ def reference(name, world_size):
     return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
-def train_and_compare(name, strategy, want_losses, want):
+def train_and_compare(name, strategy, want_losses, want, checkpointing):
     wrapper, optimizer = tiny_zero.STRATEGIES[strategy]
-    model, kind = wrapper(build(name)), configs()[name][1]
+    model, kind = wrapper(build(name, checkpointing)), configs()[name][1]
     opt = optimizer(model, lr=LR, eps=EPS, weight_decay=WD)
     world, rank = dist.get_world_size(), dist.get_rank()
     failures = []
@@ -167,13 +170,14 @@ def zeros_move_deberta():
     return [] if moved > 1e-2 else [f"deberta: zeros move the loss by {moved:.1e} only"]
 
 
-def parity(names, strategies):
+def parity(names, strategies, checkpointing=False):
+    """Failures; with `checkpointing`, transformers' gradient checkpointing on."""
     failures = zeros_move_deberta() if "deberta" in names else []
     for name in names:
         want_losses, want = reference(name, dist.get_world_size())
         for strategy in strategies:
             try:
-                failures += train_and_compare(name, strategy, want_losses, want)
+                failures += train_and_compare(name, strategy, want_losses, want, checkpointing)
             except Exception:  # as a failure: the other models and strategies still run
                 failures.append(f"{name}/{strategy}: {traceback.format_exc(limit=-3)}")
     return failures

@@ -17,14 +17,31 @@ import pytest
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import run_world  # noqa: E402
+from harness import run_checks  # noqa: E402
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
 MODELS = ["vit", "clip", "convnext", "whisper", "bart", "falcon", "olmo2", "cohere", "mixtral", "qwen3_moe",
           "deepseek_v3", "gpt_oss", "resnet", "deberta"]
 
 
+CHECKPOINTED = ["mixtral", "vit", "clip"]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_checks(2, "hf_more_checks", [("parity", "parity", (MODELS, STRATEGIES)),
+                                            ("checkpointing", "parity", (CHECKPOINTED, STRATEGIES, True))], timeout=600)
+
+
 @pytest.mark.slow
-def test_hf_models_with_hooked_modules_train_as_torch_does_world_2():
-    failures = [f for rank in run_world(2, "hf_more_checks", "parity", MODELS, STRATEGIES, timeout=600) for f in rank]
+def test_hf_models_with_hooked_modules_train_as_torch_does_world_2(world2):
+    failures = [f for rank in world2["parity"] for f in rank]
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.slow
+def test_hooked_modules_under_gradient_checkpointing_world_2(world2):
+    """The recompute in backward runs the hooked modules' forward again: it
+    must save what their forward saved (ParamUse's outputs, which require grad)."""
+    failures = [f for rank in world2["checkpointing"] for f in rank]
     assert not failures, "\n".join(failures[:40])

@@ -88,8 +88,10 @@ class HookedLayer:
     def forward_started(self, module, args, kwargs):
         wrapper = self.wrapper
         comm.where = self.where_forward
-        grads = torch.is_grad_enabled() and not in_backward_pass()  # in backward: a checkpoint's recompute
-        training = grads and (bool(self.trained) or requires_grad(args, kwargs))
+        grads = torch.is_grad_enabled()
+        # in a backward pass: a checkpoint's recompute, which must save what the forward saved (ParamUse's
+        # outputs, which require grad); its graph is dropped, so no grad comes from it
+        training = grads and not in_backward_pass() and (bool(self.trained) or requires_grad(args, kwargs))
         if training:
             wrapper.expect_grads(self, True)
         wrapper.running.append(self)  # its units stay gathered while it runs
