@@ -14,6 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tiny_zero
+from tiny_zero import comm
+from tiny_zero.measure import estimate, trace
 
 PER_RANK, STEPS = 2, 3
 LR, WD, EPS = 1e-2, 0.1, 1.0  # eps=1: attention (see tests/parity_checks.py)
@@ -129,6 +131,29 @@ def freed_checks(model, failures):
     return lambda: all(map(released, module.parameters())) or failures.append("fsdp: gathered after backward")
 
 
+def comm_failures(model, strategy, world):
+    """One more step sends what the estimate says, the hooked modules' gathers and the buffers' broadcast among it."""
+    comm.stats.reset()
+    F.cross_entropy(model(*batch(0, world)[:1]), batch(0, world)[1]).backward()
+    model.zero_grad()  # no step: its all-gathers (zero1, zero2, offload) are counted by the estimate only with one
+    sent = dict(comm.stats.elements)
+    want = estimate.comm_per_step(Net(), strategy, world)
+    want.pop("all_gather", None) if strategy in ("zero1", "zero2", "offload") else None
+    return [] if sent == want else [f"{strategy} world {world}: sent {sent}, the estimate says {want}"]
+
+
+def trace_failures(model, opt, world):
+    """The timeline of a step shows the hooked modules' forwards as layers (BatchNorm's empty storages drawn as nothing)."""
+    recorder = trace.Recorder(model, opt)
+    recorder.start()
+    F.cross_entropy(model(batch(0, world)[0]), batch(0, world)[1]).backward()
+    opt.step()
+    opt.zero_grad()
+    names = {span["name"] for span in recorder.stop()["spans"] if span["cat"] == "layer"}
+    wanted = {"conv forward", "bn forward", "scale forward", "blocks.0.attn forward", "blocks.1.norm forward"}
+    return [f"the timeline lacks {sorted(wanted - names)}"] if wanted - names else []
+
+
 def parity():
     """Every strategy against torch DDP: the loss at every step, every
     parameter and buffer (BatchNorm's running statistics, broadcast from rank
@@ -152,6 +177,9 @@ def parity():
             failures += [f"{strategy} world {world}: {key} differs by {(state[key].float() - v.float()).abs().max():.2e}"
                          for key, v in want.items()
                          if not torch.allclose(state[key].float(), v.float(), rtol=RTOL, atol=ATOL)]
+            failures += comm_failures(model, strategy, world)
+            if strategy == "fsdp":
+                failures += trace_failures(model, optimizer(model, lr=LR), world)
         except Exception:  # as a failure: the other strategies still run
             failures.append(f"{strategy}: {traceback.format_exc(limit=-4)}")
     return failures
