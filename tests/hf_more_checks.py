@@ -32,15 +32,18 @@ MOE = dict(num_experts_per_tok=2)
 DEBERTA_INIT, DEBERTA_SCALE = 0.2, 100  # weights x10, relative embeddings x1000: read as zeros, the loss moves by 4e-2
 
 
-def configs():
-    """name: (what builds the model, the kind of its inputs)."""
+def configs(scale=1):
+    """name: (what builds the model, the kind of its inputs); `scale` widens
+    ViT and Mixtral (the memory check: parameters, not activations, dominate)."""
+    wide = dict(hidden_size=32 * scale, intermediate_size=48 * scale)
     return {
         "falcon": (lambda: T.FalconForCausalLM(T.FalconConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, bos_token_id=0,
             eos_token_id=0)), "tokens"),
         "olmo2": (lambda: T.Olmo2ForCausalLM(T.Olmo2Config(**SMALL)), "tokens"),
         "cohere": (lambda: T.CohereForCausalLM(T.CohereConfig(**SMALL)), "tokens"),
-        "mixtral": (lambda: T.MixtralForCausalLM(T.MixtralConfig(**SMALL, **MOE, num_local_experts=4)), "tokens"),
+        "mixtral": (lambda: T.MixtralForCausalLM(T.MixtralConfig(**{**SMALL, **wide}, **MOE, num_local_experts=4)),
+                    "tokens"),
         "qwen3_moe": (lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
             **SMALL, **MOE, head_dim=8, num_experts=4, moe_intermediate_size=16)), "tokens"),
         "deepseek_v3": (lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
@@ -54,8 +57,7 @@ def configs():
         "whisper": (lambda: T.WhisperForConditionalGeneration(T.WhisperConfig(
             **SEQ2SEQ, num_mel_bins=8, max_source_positions=8, max_target_positions=16)), "speech"),
         "vit": (lambda: T.ViTForImageClassification(T.ViTConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, image_size=8,
-            patch_size=4, num_labels=3)), "image"),
+            **wide, num_hidden_layers=2, num_attention_heads=4, image_size=8, patch_size=4, num_labels=3)), "image"),
         "convnext": (lambda: T.ConvNextForImageClassification(T.ConvNextConfig(
             hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3, image_size=8,
             layer_scale_init_value=0.5)), "image"),
@@ -85,9 +87,9 @@ def deberta():
     return model
 
 
-def build(name, checkpointing=False):
+def build(name, checkpointing=False, scale=1):
     torch.manual_seed(0)
-    model = configs()[name][0]()
+    model = configs(scale)[name][0]()
     if checkpointing:  # transformers' default: non-reentrant, which recomputes in backward what forward saved
         model.gradient_checkpointing_enable()
     return model
@@ -181,3 +183,44 @@ def parity(names, strategies, checkpointing=False):
             except Exception:  # as a failure: the other models and strategies still run
                 failures.append(f"{name}/{strategy}: {traceback.format_exc(limit=-3)}")
     return failures
+
+
+def blocks_of(model):
+    """The repeated blocks, found as tiny_zero's units finds them: the children of a ModuleList of one class."""
+    return next(list(m) for m in model.modules()
+                if isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1)
+
+
+def peak_of(name, strategy):
+    """Peak live tensor bytes on this rank over the second of two steps,
+    everything counted (built inside the count): tiny_zero's strategy, or
+    FSDP2 (fully_shard per block, then the root, as the issue's runs did)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tiny_zero.measure.memory import TensorMemory
+    kind = configs()[name][1]
+    with TensorMemory() as memory:
+        if strategy == "torch_fsdp2":
+            model = build(name, scale=4)
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for block in blocks_of(model):
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+        else:
+            wrapper, optimizer = tiny_zero.STRATEGIES[strategy]
+            model = wrapper(build(name, scale=4))
+            opt = optimizer(model, lr=LR, eps=EPS, weight_decay=WD)
+        for step in range(2):
+            if step == 1:
+                memory.reset_peak()
+            loss_of(model, *rows(*inputs(kind, step, dist.get_world_size()), dist.get_rank())).backward()
+            opt.step()
+            opt.zero_grad()
+        return memory.peak
+
+
+def memory_against_fsdp2(names):
+    """{(model, strategy or "torch_fsdp2"): this rank's peak bytes}."""
+    return {(name, strategy): peak_of(name, strategy) for name in names for strategy in ("torch_fsdp2", "zero3", "fsdp")}

@@ -30,7 +30,8 @@ CHECKPOINTED = ["mixtral", "vit", "clip"]
 @pytest.fixture(scope="module")
 def world2():
     return run_checks(2, "hf_more_checks", [("parity", "parity", (MODELS, STRATEGIES)),
-                                            ("checkpointing", "parity", (CHECKPOINTED, STRATEGIES, True))], timeout=600)
+                                            ("checkpointing", "parity", (CHECKPOINTED, STRATEGIES, True)),
+                                            ("memory", "memory_against_fsdp2", (["vit", "mixtral"],))], timeout=600)
 
 
 @pytest.mark.slow
@@ -45,3 +46,13 @@ def test_hooked_modules_under_gradient_checkpointing_world_2(world2):
     must save what their forward saved (ParamUse's outputs, which require grad)."""
     failures = [f for rank in world2["checkpointing"] for f in rank]
     assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.slow
+def test_zero3_and_fsdp_peak_at_most_fsdp2s_on_hooked_models_world_2(world2):
+    """A small ViT (its embeddings hooked) and a small Mixtral (its experts and
+    routers hooked): each rank's peak of live tensor bytes over a step, all
+    counted, is at most FSDP2's (fully_shard per block, then the root)."""
+    for rank, peaks in enumerate(world2["memory"]):
+        for (name, strategy), peak in peaks.items():
+            assert peak <= peaks[name, "torch_fsdp2"], (rank, name, strategy, peak, peaks[name, "torch_fsdp2"])
