@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tiny_zero
-from tiny_zero import comm
+from tiny_zero import comm, explain
+from tiny_zero.buckets import DEFAULT_BUCKET_BYTES
 from tiny_zero.measure import estimate, trace
 
 PER_RANK, STEPS = 2, 3
@@ -136,10 +137,14 @@ def comm_failures(model, strategy, world):
     comm.stats.reset()
     F.cross_entropy(model(*batch(0, world)[:1]), batch(0, world)[1]).backward()
     model.zero_grad()  # no step: its all-gathers (zero1, zero2, offload) are counted by the estimate only with one
-    sent = dict(comm.stats.elements)
+    sent, calls = dict(comm.stats.elements), dict(comm.stats.calls)
     want = estimate.comm_per_step(Net(), strategy, world)
     want.pop("all_gather", None) if strategy in ("zero1", "zero2", "offload") else None
-    return [] if sent == want else [f"{strategy} world {world}: sent {sent}, the estimate says {want}"]
+    failures = [] if sent == want else [f"{strategy} world {world}: sent {sent}, the estimate says {want}"]
+    if strategy == "fsdp":  # and how many of each, as python -m tiny_zero.explain prints them
+        counts = explain.collective_counts(Net(), strategy, world, None, DEFAULT_BUCKET_BYTES)
+        failures += [] if calls == counts else [f"fsdp world {world}: sent {calls} collectives, explain says {counts}"]
+    return failures
 
 
 def trace_failures(model, opt, world):
