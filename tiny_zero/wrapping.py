@@ -53,7 +53,7 @@ class Wrapping:
             layer.where_forward, layer.where_backward = f"{path} forward", f"{path} backward"  # comm.where's
             layer.trained = [p for p in layer.parameters(recurse=False) if p.requires_grad]  # read once, as below
             layer.param_indices = []  # their indices in self.buckets, set with it
-        self.layers = [layer for _, layer in layers]  # both ways to the moments, in module order
+        self.strategy_layers = [layer for _, layer in layers]  # both ways to the moments, in module order
         self.running = []  # hooked modules running now, whose units stay gathered (hooked.py)
         self.module = module
         self.scale_entered = False  # fp16: the loss scale entered the backward running now (ScaleGrad)
@@ -110,7 +110,7 @@ class Wrapping:
         each layer keeps of its own (layer.param_indices), and where the step's
         per-parameter state lives. From here on a step looks no parameter up
         by its hash."""
-        for layer in self.layers:
+        for layer in self.strategy_layers:
             layer.param_indices = buckets.indices(layer.trained)
         self.shown = [None] * len(buckets.params)
         self.showing = ParamSet(buckets)

@@ -34,7 +34,7 @@ class FSDP(Gathering, Wrapper):
 
     def __init__(self, module, units=None, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
-        layers = self.layers  # tiny_zero's layers and the hooked modules (hooked.py)
+        layers = self.strategy_layers  # tiny_zero's layers and the hooked modules (hooked.py)
         groups = gather_units(self.module, layers, units)
         units = flat_units(groups, self.world_size)
         unit_of = {p: u for u in units for p in u.params}

@@ -209,7 +209,7 @@ class Recorder:
                 self.wrapped.append(layer)
                 layer.__dict__["forward_callback"] = self._timed(layer.forward_callback, f"{path} forward")
                 layer.__dict__["backward_callback"] = self._timed(layer.backward_callback, f"{path} backward")
-        for layer in getattr(self.model, "layers", ()):
+        for layer in getattr(self.model, "strategy_layers", ()):
             if isinstance(layer, HookedLayer):  # a module reached through hooks: its forward, gather and free inside
                 self._time_forward(layer.module, f"{layer.path} forward")
 

@@ -31,7 +31,7 @@ class Zero3(Gathering, Wrapper):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         table = owner_table([(n, p.numel()) for n, p in self.named_params], self.world_size)
         self.owner = {p: table[name] for name, p in self.named_params}  # STRATEGY: whole tensors, one owner each
-        layers = self.layers  # tiny_zero's layers and the hooked modules (hooked.py)
+        layers = self.strategy_layers  # tiny_zero's layers and the hooked modules (hooked.py)
         groups = gather_units(self.module, layers, units)
         self.unit_params = unit_params(groups)
         unit_of = {p: unit for unit, params in self.unit_params.items() for p in params}
