@@ -188,3 +188,35 @@ def parity():
         except Exception:  # as a failure: the other strategies still run
             failures.append(f"{strategy}: {traceback.format_exc(limit=-4)}")
     return failures
+
+
+def accumulation_loop(model, opt):
+    """Per step: a backward inside no_sync(), an evaluation under no_grad, one outside, the step."""
+    world = dist.get_world_size()
+    for step in range(2):
+        with model.no_sync():
+            F.cross_entropy(model(batch(10 + step, world)[0]), batch(10 + step, world)[1]).backward()
+        with torch.no_grad():
+            model(batch(50, world)[0])
+        F.cross_entropy(model(batch(step, world)[0]), batch(step, world)[1]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def accumulation():
+    """Gradient accumulation (no_sync) with an evaluation between: every
+    parameter and buffer as torch DDP's, which broadcasts the buffers at a
+    forward that follows one that trained outside no_sync (not at every one)."""
+    torch.manual_seed(0)
+    module = Net()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
+    accumulation_loop(ref, torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=WD))
+    failures = []
+    for strategy in STRATEGIES:
+        wrapper, optimizer = tiny_zero.STRATEGIES[strategy]
+        model = wrapper(copy.deepcopy(module))
+        accumulation_loop(model, optimizer(model, lr=LR, eps=EPS, weight_decay=WD))
+        state = {**model.full_state_dict(), **dict(model.module.named_buffers())}
+        failures += [f"{strategy} no_sync: {key} differs" for key, v in ref.module.state_dict().items()
+                     if not torch.allclose(state[key].float(), v.float(), rtol=RTOL, atol=ATOL)]
+    return failures

@@ -230,8 +230,9 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
     # ------------------------------------------------------------ one step's bookkeeping
 
     def forward(self, *args, **kwargs):
-        if self.buffers_to_sync and self.require_grad_sync and torch.is_grad_enabled():
-            self.broadcast_buffers()  # as torch DDP's broadcast_buffers: a forward that trains, outside no_sync
+        if self.buffers_to_sync and self.sync_buffers:
+            self.broadcast_buffers()  # as torch DDP's broadcast_buffers: the first forward, and one after a
+        self.sync_buffers = self.require_grad_sync and torch.is_grad_enabled()  # forward that trained outside no_sync
         return self.module(*args, **kwargs)
 
     def backward(self, loss):

@@ -178,9 +178,8 @@ class Gathering:
             self.gathered[unit] = self.in_flight.pop(unit, None) or self.gather(unit)
             self.settle(unit)
         out = super().forward(*args, **kwargs)
-        if self.held and self.gathers and not torch.is_grad_enabled():
-            for unit in self.held:
-                self.free(unit)
+        for unit in self.held if self.gathers and not torch.is_grad_enabled() else ():  # no backward follows
+            self.free(unit)
         return out
 
     def unshard(self, layer, training, backward):

@@ -44,6 +44,7 @@ class Wrapping:
         swap_layers(module, self.layer_classes)
         module.to(self.param_dtype)
         self.buffers_to_sync = buffers_by_dtype(module) if self.world_size > 1 else []  # (step.py's forward)
+        self.sync_buffers = True  # the next forward broadcasts them, as torch DDP's require_forward_param_sync
         if self.param_dtype != torch.float32:
             module.register_forward_pre_hook(cast_floating_inputs(self.param_dtype), with_kwargs=True)
         layers = self.find_layers(module)
