@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import tiny_zero  # noqa: E402
 from tiny_zero.module.swap import DEFAULT_CLASSES  # noqa: E402
+from tiny_zero.hooked import HookedLayer  # noqa: E402
 from tiny_zero.pipeline import Pipeline, PipelineAdamW  # noqa: E402
 from tiny_zero.optimizer import StrategyAdamW  # noqa: E402
 from tiny_zero.step import LayerMoments, StrategyLayer, Wrapper  # noqa: E402
@@ -110,8 +111,12 @@ def test_layers_define_the_mixin_and_layer_classes(name):
     assert expected <= names, f"tiny_zero/{name}/layers.py lacks {sorted(expected - names)}"
     module = __import__(f"tiny_zero.{name}.layers", fromlist=["LAYER_CLASSES"])
     mixin = getattr(module, prefix(name) + "Layer")
-    assert set(module.LAYER_CLASSES) == set(DEFAULT_CLASSES)
+    assert set(module.LAYER_CLASSES) == set(DEFAULT_CLASSES) | {HookedLayer}
+    hooked = module.LAYER_CLASSES[HookedLayer]  # the same moments for the modules reached through hooks
+    assert hooked.__name__ == prefix(name) + "Hooked" and hooked.__mro__[1:4] == (HookedLayer, mixin, LayerMoments)
     for torch_class, cls in module.LAYER_CLASSES.items():
+        if torch_class is HookedLayer:
+            continue
         assert cls.__name__ == prefix(name) + DEFAULT_CLASSES[torch_class].__name__
         assert cls.__mro__[1:6] == (StrategyLayer, ConversionGuard, mixin, LayerMoments, DEFAULT_CLASSES[torch_class])
     assert CLASSES[name][0].layer_classes is module.LAYER_CLASSES

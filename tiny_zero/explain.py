@@ -49,7 +49,17 @@ def build_hf(directory):
 
 
 def collective_counts(module, strategy, world_size, mixed_precision, bucket_bytes):
-    """{collective kind: how many are sent in one step}: one per bucket or unit, as the wrappers send them."""
+    """{collective kind: how many are sent in one step}: one per bucket or unit, as the wrappers send them;
+    and the buffers' broadcast at the forward's start, one per dtype (BatchNorm's statistics)."""
+    counts = grad_and_param_counts(module, strategy, world_size, mixed_precision, bucket_bytes)
+    dtypes = {b.dtype for b in module.buffers()}
+    if dtypes and world_size > 1:
+        counts["broadcast"] = counts.get("broadcast", 0) + len(dtypes)
+    return counts
+
+
+def grad_and_param_counts(module, strategy, world_size, mixed_precision, bucket_bytes):
+    """collective_counts' collectives of the grads and parameters."""
     if strategy == "fsdp":
         units = estimate.fsdp_units(module, world_size)
         gathers = estimate.gathered(estimate.layers(module), {u: u.params for u in units}, lambda unit: 1)

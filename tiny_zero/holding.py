@@ -29,6 +29,14 @@ class Holding:
         ranks; here the world, whose first is rank 0): all start alike."""
         comm.broadcast(tensor, src=self.rank - self.replica, group=self.replica_group)
 
+    def broadcast_buffers(self):
+        """Every replica takes the first one's buffers (BatchNorm's running
+        statistics), one broadcast per dtype, as torch DDP's broadcast_buffers."""
+        for same in self.buffers_to_sync:
+            flat = torch._utils._flatten_dense_tensors(same)
+            self.broadcast_from_first_replica(flat)
+            torch._foreach_copy_(same, torch._utils._unflatten_dense_tensors(flat, same))
+
     def released(self, param):
         """What a parameter holds while this rank keeps none of it: its full
         shape over a single shared zero, so p.shape and p.dim() stay true (for

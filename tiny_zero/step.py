@@ -60,6 +60,7 @@ from . import agreements, comm
 from .grads import GRAD, TorchGrads
 from .guards import ForwardedAttributes, parameter_hash, sequence_hash
 from .holding import Holding
+from .hooked import HookedLayer
 from .join import Joining
 from .module import expects_backward, in_backward_pass, recorded
 from .module import layer_classes as module_layer_classes
@@ -125,8 +126,13 @@ def place_in_flat_grads(layer, ctx, param, dtype):
 def layer_classes(mixin):
     """A strategy's layers: for each tiny_zero layer, StrategyLayer, then the
     strategy's mixin, its moments' defaults, then the layer's math:
-    Zero3Linear(StrategyLayer, Zero3Layer, LayerMoments, Linear)."""
-    return module_layer_classes(StrategyLayer, mixin, LayerMoments, name_from=mixin)
+    Zero3Linear(StrategyLayer, Zero3Layer, LayerMoments, Linear); under the
+    key HookedLayer, the same moments for every other module that holds
+    parameters (hooked.py): Zero3Hooked(HookedLayer, Zero3Layer, LayerMoments)."""
+    classes = module_layer_classes(StrategyLayer, mixin, LayerMoments, name_from=mixin)
+    prefix = mixin.__name__.removesuffix("Layer")
+    classes[HookedLayer] = type(prefix + "Hooked", (HookedLayer, mixin, LayerMoments), {"__module__": mixin.__module__})
+    return classes
 
 
 class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperStateDicts, ForwardedAttributes, Joining,
@@ -228,6 +234,9 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
     def forward(self, *args, **kwargs):
         if self._join_config.enable:  # inside torch's Join: ranks that ran out shadow this iteration (join.py)
             self.notify_join(args, kwargs)
+        if self.buffers_to_sync and self.sync_buffers:
+            self.broadcast_buffers()  # as torch DDP's broadcast_buffers: the first forward, and one after a
+        self.sync_buffers = self.require_grad_sync and torch.is_grad_enabled()  # forward that trained outside no_sync
         return self.module(*args, **kwargs)
 
     def backward(self, loss):
@@ -284,6 +293,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
         comm.where = "the end of the backward pass"
         self.in_backward = False
         self.scale_entered = False
+        self.running.clear()  # a hooked module held gathered to the pass's end (hooked.py) lets go
         self.buckets.add_held()  # through their hooks
         self.free_gathered()
         self.refuse_grads_from_autograd()  # before the collectives: every rank raises alike

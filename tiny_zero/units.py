@@ -137,9 +137,20 @@ def gather_units(module, layers, units):
         for inner in m.modules():
             owner.setdefault(inner, m)  # the outermost chosen module holds a layer
     grouped = {}
-    for layer in layers:
-        grouped.setdefault(owner.get(layer, layer), []).append(layer)
+    for layer in layers:  # a hooked module's HookedLayer: in the unit of its module
+        grouped.setdefault(owner.get(getattr(layer, "module", layer), layer), []).append(layer)
     return list(grouped.items())
+
+
+def held_for_pass(groups, units, params_of):
+    """The units gathered from a forward's start to its backward's end, as
+    FSDP2 keeps its root's parameters: those of frozen parameters outside
+    every block (`groups`, gather_units'). Code outside their layer may read
+    them (DeBERTa's relative embeddings, Whisper's encoder positions) where no
+    gather is, and no grad of theirs would tell (a trainable one read so
+    raises: TorchGrads.refuse_grads_from_autograd)."""
+    outside = {id(p) for key, layers in groups if layers == [key] for p in key.parameters(recurse=False)}
+    return [u for u in units if all(id(p) in outside and not p.requires_grad for p in params_of(u))]
 
 
 class Gathering:
@@ -155,10 +166,21 @@ class Gathering:
                         "shape), so a copy would hold no values. For an EMA or a reference model, build the module "
                         "again and load model.full_state_dict() into it (on every rank: a collective)")
 
-    def start_gathering(self, units_of):
+    def start_gathering(self, units_of, held=()):
         self.order = GatherOrder(units_of)
         self.gathered = {}  # unit -> (its buffer, [its gather's handles]), while its layers use it
         self.in_flight = {}  # unit -> the same, a gather started ahead of use
+        self.held = list(held)  # gathered from a forward's start to its backward's end (held_for_pass)
+
+    def forward(self, *args, **kwargs):
+        """held_for_pass: gathered first, and kept where a backward may follow."""
+        for unit in [u for u in self.held if u not in self.gathered] if self.gathers else ():
+            self.gathered[unit] = self.in_flight.pop(unit, None) or self.gather(unit)
+            self.settle(unit)
+        out = super().forward(*args, **kwargs)
+        for unit in self.held if self.gathers and not torch.is_grad_enabled() else ():  # no backward follows
+            self.free(unit)
+        return out
 
     def unshard(self, layer, training, backward):
         """Before a layer computes: its units gathered, the next one's started."""
@@ -172,14 +194,20 @@ class Gathering:
         if ahead is not None and ahead not in self.in_flight:
             self.in_flight[ahead] = self.gather(ahead)  # prefetch the next unit while this one computes
         for unit in missing:
-            for handle in self.gathered[unit][1]:
-                handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
-            for p, full, _ in self.views[unit]:
-                p.data = full  # the view made once: the parameter shows the gathered values
+            self.settle(unit)
+
+    def settle(self, unit):
+        """A unit's gather waited for; its parameters show the gathered values."""
+        for handle in self.gathered[unit][1]:
+            handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
+        for p, full, _ in self.views[unit]:
+            p.data = full  # the view made once: the parameter shows the gathered values
 
     def reshard(self, layer):
         """After a layer computed: free the units the next layer does not use."""
         keep = self.order.still_needed()
+        if self.running or self.held:  # a hooked module that runs now (hooked.py), held_for_pass: they stay
+            keep = [*keep, *self.held, *(u for running in self.running for u in self.units_of[running])]
         for unit in [u for u in self.gathered if u not in keep]:
             self.free(unit)  # free behind: the next layer does not use it
 

@@ -11,7 +11,8 @@ from . import agreements
 from .buckets import ParamSet
 from .distributed import init_distributed, local_device
 from .guards import check_not_wrapped, check_same_model_on_all_ranks
-from .module import CallbackLayer, check_supported, swap_layers
+from .hooked import HookedLayer
+from .module import CallbackLayer, hooked_modules, swap_layers
 from .precision import LossScaler, cast_floating_inputs, check_param_dtypes, param_dtype
 from .state_dicts import param_versions
 
@@ -23,7 +24,6 @@ class Wrapping:
 
     def __init__(self, module, mixed_precision=None, reduce_dtype=None, loss_scaler=None, device=None):
         super().__init__()
-        check_supported(module)  # local, before any collective: every rank raises alike
         check_not_wrapped(module)
         check_param_dtypes(module, mixed_precision)
         self.param_dtype = param_dtype(mixed_precision)
@@ -44,16 +44,19 @@ class Wrapping:
                    reduce_dtype=agreements.value_hash(self.reduce_dtype), loss_scaler=int(self.loss_scaler is not None))
         swap_layers(module, self.layer_classes)
         module.to(self.param_dtype)
+        self.buffers_to_sync = buffers_by_dtype(module) if self.world_size > 1 else []  # (step.py's forward)
+        self.sync_buffers = True  # the next forward broadcasts them, as torch DDP's require_forward_param_sync
         if self.param_dtype != torch.float32:
             module.register_forward_pre_hook(cast_floating_inputs(self.param_dtype), with_kwargs=True)
-        layers = [(path, m) for path, m in module.named_modules() if isinstance(m, CallbackLayer)]
+        layers = self.find_layers(module)
         for index, (path, layer) in enumerate(layers):
             layer.__dict__["wrapper"] = self  # a plain attribute, not a submodule
             layer.path, layer.index = path, index
             layer.where_forward, layer.where_backward = f"{path} forward", f"{path} backward"  # comm.where's
             layer.trained = [p for p in layer.parameters(recurse=False) if p.requires_grad]  # read once, as below
             layer.param_indices = []  # their indices in self.buckets, set with it
-        self.callback_layers = [layer for _, layer in layers]
+        self.strategy_layers = [layer for _, layer in layers]  # both ways to the moments, in module order
+        self.running = []  # hooked modules running now, whose units stay gathered (hooked.py)
         self.module = module
         self.scale_entered = False  # fp16: the loss scale entered the backward running now (ScaleGrad)
         if self.loss_scaler is not None:
@@ -84,6 +87,20 @@ class Wrapping:
         self.assigned = {}  # index -> (its p.grad, version) set by the user, as a backward began
         self.versions = param_versions(self.named_params)  # in-place writes move them (adopt_param_writes)
 
+    def find_layers(self, module):
+        """[(path, layer)] in module order: tiny_zero's layers, and for each
+        module that trains through hooks, its HookedLayer (hooked.py)."""
+        hooked = {id(m): owned for _, m, owned in hooked_modules(module)}
+        layers = []
+        for path, m in module.named_modules():
+            if isinstance(m, CallbackLayer):
+                layers.append((path, m))
+            elif id(m) in hooked:
+                m.__dict__["wrapper"] = self  # wrapped: check_not_wrapped sees it
+                layers.append((path or "<root module>", self.layer_classes[HookedLayer](self, m, hooked[id(m)],
+                                                                                     whole_pass=m is module)))
+        return layers
+
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         if name == "buckets" and value is not None:
@@ -95,7 +112,7 @@ class Wrapping:
         each layer keeps of its own (layer.param_indices), and where the step's
         per-parameter state lives. From here on a step looks no parameter up
         by its hash."""
-        for layer in self.callback_layers:
+        for layer in self.strategy_layers:
             layer.param_indices = buckets.indices(layer.trained)
         self.shown = [None] * len(buckets.params)
         self.showing = ParamSet(buckets)
@@ -111,6 +128,15 @@ class Wrapping:
             raise RuntimeError(f"{self.name_of[p]}.requires_grad changed after the model was wrapped: tiny_zero "
                                "reads it once, when wrapping, to decide what is sent and stepped; set it before "
                                "wrapping")
+
+
+def buffers_by_dtype(module):
+    """The module's buffers (not on meta), in lists of one dtype each."""
+    groups = {}
+    for b in module.buffers():
+        if not b.is_meta:
+            groups.setdefault((b.dtype, b.device), []).append(b)
+    return list(groups.values())
 
 
 class ConversionGuard:

@@ -23,9 +23,8 @@ import torch
 
 from .. import comm
 from ..buckets import Buckets, buckets_from_runs
-from ..module import CallbackLayer
 from ..step import Wrapper
-from ..units import Gathering, gather_units
+from ..units import Gathering, gather_units, held_for_pass
 from .layers import LAYER_CLASSES
 
 
@@ -35,8 +34,9 @@ class FSDP(Gathering, Wrapper):
 
     def __init__(self, module, units=None, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
-        layers = [m for m in self.module.modules() if isinstance(m, CallbackLayer)]
-        units = flat_units(gather_units(self.module, layers, units), self.world_size)
+        layers = self.strategy_layers  # tiny_zero's layers and the hooked modules (hooked.py)
+        groups = gather_units(self.module, layers, units)
+        units = flat_units(groups, self.world_size)
         unit_of = {p: u for u in units for p in u.params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
         self.gathers = self.world_size > 1  # world 1: every unit is whole here, its slice
@@ -51,7 +51,7 @@ class FSDP(Gathering, Wrapper):
         self.full, self.views = {}, {}  # unit -> its full buffer; [(parameter, its view of it, released)]
         for unit in units if self.gathers else ():
             self.make_buffer(unit)
-        self.start_gathering(self.units_of)
+        self.start_gathering(self.units_of, held_for_pass(groups, units, lambda unit: unit.params))
         self.sending = []  # (unit, reduce-scatter, its averaged grads, the sum) in flight
 
     def keep_slices(self, units):

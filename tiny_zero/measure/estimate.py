@@ -41,7 +41,7 @@ import torch
 from ..buckets import DEFAULT_BUCKET_BYTES, make_buckets
 from ..units import gather_units
 from ..fsdp.wrapper import flat_units
-from ..module import layer_kind
+from ..module import hooked_modules, layer_kind
 from ..zero3.wrapper import loads, owner_table, unit_params
 from ..precision import param_dtype
 from ..tensor.wrapper import planned_linears, split_parameters
@@ -132,7 +132,17 @@ def placement(module, strategy, world_size, mixed_precision=None, bucket_bytes=D
 
 
 def comm_per_step(module, strategy, world_size, mixed_precision=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
-    """{collective kind: elements} that `strategy` sends in one step (as tiny_zero.comm counts)."""
+    """{collective kind: elements} that `strategy` sends in one step (as tiny_zero.comm counts),
+    the buffers' broadcast at the forward's start (BatchNorm's statistics) among them."""
+    sent = strategy_comm(module, strategy, world_size, mixed_precision, bucket_bytes)
+    buffers = sum(b.numel() for b in module.buffers())
+    if buffers and world_size > 1:
+        sent["broadcast"] = sent.get("broadcast", 0) + buffers
+    return sent
+
+
+def strategy_comm(module, strategy, world_size, mixed_precision, bucket_bytes):
+    """comm_per_step's collectives of the grads and parameters."""
     params = [param for _, param in module.named_parameters()]
     numel = sum(param.numel() for param in params)
     if strategy == "ddp":  # one flat buffer, all-reduced bucket by bucket
@@ -232,9 +242,28 @@ def fsdp_units(module, world_size):
 
 
 def layers(module):
-    """The layers that hold parameters (those tiny_zero converts), in module order."""
-    return [m for m in module.modules()
-            if layer_kind(m) is not None and any(True for _ in m.parameters(recurse=False))]
+    """What holds parameters for a strategy, in module order: the layers
+    tiny_zero converts, and for each module reached through hooks
+    (tiny_zero/hooked.py) the parameters it owns (Hooked)."""
+    hooked = {id(m): Hooked(m, owned) for _, m, owned in hooked_modules(module)}
+    inside = {id(inner) for m in hooked.values() if m.module is not module for inner in m.module.modules()}
+    found = []
+    for m in module.modules():
+        if id(m) in hooked:
+            found.append(hooked[id(m)])
+        elif layer_kind(m) is not None and id(m) not in inside and any(True for _ in m.parameters(recurse=False)):
+            found.append(m)
+    return found
+
+
+class Hooked:
+    """A module reached through hooks, as the estimate sees it: the module and the parameters it owns."""
+
+    def __init__(self, module, owned):
+        self.module, self.params = module, list({id(p): p for _, _, p in owned}.values())
+
+    def parameters(self, recurse=False):
+        return iter(self.params)
 
 
 def fmt_bytes(n):

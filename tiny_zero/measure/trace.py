@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..hooked import HookedLayer
 from ..module import CallbackLayer
 from .memory import CATEGORIES, TensorMemory, held_tensors
 
@@ -143,6 +144,8 @@ class Recorder:
             hook.remove()
         for layer in self.wrapped:
             del layer.__dict__["forward_callback"], layer.__dict__["backward_callback"]
+        for hook in self.layer_hooks:
+            hook.remove()
         self.memory.listeners.remove(self._changing)
         if self.own_memory:
             self.memory.__exit__(None, None, None)
@@ -200,12 +203,24 @@ class Recorder:
 
     def _wrap_layers(self):
         root = getattr(self.model, "module", self.model)  # a wrapper's module, or the model itself
-        self.wrapped = []
+        self.wrapped, self.layer_hooks = [], []
         for path, layer in root.named_modules():
             if isinstance(layer, CallbackLayer):
                 self.wrapped.append(layer)
                 layer.__dict__["forward_callback"] = self._timed(layer.forward_callback, f"{path} forward")
                 layer.__dict__["backward_callback"] = self._timed(layer.backward_callback, f"{path} backward")
+        for layer in getattr(self.model, "strategy_layers", ()):
+            if isinstance(layer, HookedLayer):  # a module reached through hooks: its forward, gather and free inside
+                self._time_forward(layer.module, f"{layer.path} forward")
+
+    def _time_forward(self, module, name):
+        starts = []
+        self.layer_hooks += [module.register_forward_pre_hook(lambda *_: starts.append(self.stamp()), prepend=True),
+                             module.register_forward_hook(lambda *_: self._span(name, starts.pop()))]
+
+    def _span(self, name, start):
+        self.spans.append(("layer", name, start, self.stamp(), {}))
+        self._classify(optional=True)
 
     def _timed(self, callback, name):
         def timed(ctx, x):
@@ -270,6 +285,8 @@ class Recorder:
             self._record_change(key, delta)
 
     def _record_change(self, key, delta):
+        if not delta:  # an empty storage (BatchNorm's statistics in training on the CPU): nothing to draw
+            return
         memory = self.memory
         if memory.current > self.highest:
             self.highest = memory.current

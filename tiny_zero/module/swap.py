@@ -8,21 +8,21 @@ stands for; Conv1D, which torch lacks, is its own kind), and becomes the
 tiny_zero layer of that kind. Converted are:
   - nn.Linear, nn.LayerNorm, nn.RMSNorm and nn.Embedding, and their plain
     subclasses: those that keep torch's forward (torch's own
-    NonDynamicallyQuantizableLinear, a `class MyLinear(nn.Linear): pass`).
-    A subclass with a forward of its own (a LoRA Linear) is refused: its
-    forward would be silently replaced;
+    NonDynamicallyQuantizableLinear, a `class MyLinear(nn.Linear): pass`);
   - classes of other libraries that compute what a tiny_zero layer computes,
     matched by qualified name (FOREIGN), so tiny_zero never imports them.
+    The list is a speed path, not a limit: nothing is refused for its class.
 A layer of any class but its kind's own gets a class made for it that
 subclasses both the tiny_zero layer and its own class: the tiny_zero forward
 runs, and isinstance(layer, LlamaRMSNorm) still holds. A FOREIGN class in
 FORWARD_AROUND keeps its own forward, which runs around the tiny_zero
 layer's: it calls super().forward() (Gemma's embedding scales its result).
 
-A subclass of a torch layer that is not converted is refused even where a
-converted layer holds its parameter (Gemma's embedding, tied to the head
-Linear): a strategy releases that parameter outside the converted layer's
-forward, and the subclass's own forward would read the released zeros.
+Every other module that holds a parameter (Conv2d, BatchNorm, a bare
+nn.Parameter, a subclass of Linear with a forward of its own, a LoRA
+Linear) keeps its class and its forward: a strategy reaches it through
+module hooks (hooked_modules here; tiny_zero/hooked.py), and nothing inside
+it is converted.
 """
 import functools
 
@@ -107,52 +107,42 @@ def class_kind(cls):
     return None
 
 
-def check_supported(module):
-    """Raise if a parameter lives outside the layers swap_layers converts,
-    naming every such module type with a count and an example path. A
-    parameter held by a converted layer may also be registered elsewhere
-    (BERT's cls.predictions.bias is its decoder's bias), but not in a subclass
-    of a torch layer with a forward of its own, which would read it.
+def hooked_modules(module):
+    """[(path, m, [(holder, name, parameter)])]: the modules that train through
+    module hooks (tiny_zero/hooked.py), in module order. Each holds a parameter
+    of its own and is not converted (Conv2d, BatchNorm, a bare nn.Parameter, a
+    subclass of Linear with a forward of its own). It owns every parameter of
+    its subtree, which its own forward may read (MultiheadAttention reads its
+    out_proj's weight): nothing below it is converted. The wrapped module
+    itself owns only its own parameters: its forward runs the whole model."""
+    converted = {id(p) for m in module.modules() if layer_kind(m) is not None for p in m.parameters(recurse=False)}
+    found = []
 
-    Runs locally, before any collective, so every rank raises the same error."""
-    converted = {p for layer in module.modules() if layer_kind(layer) is not None
-                 for p in layer.parameters(recurse=False)}
-    found = {}  # class -> paths of its modules that hold other parameters
-    for path, layer in module.named_modules():
-        params = list(layer.parameters(recurse=False))
-        if any(p not in converted for p in params) or (params and own_forward(type(layer))):
-            found.setdefault(type(layer), []).append(path or "<root module>")
-    if found:
-        raise TypeError(unsupported_message(found))
+    def visit(path, m, top):
+        if layer_kind(m) is not None:
+            return
+        if holds_its_own(m, converted):
+            holders = [(m, "")] if top else [(inner, name) for name, inner in m.named_modules()]
+            owned = [(holder, name, p) for holder, _ in holders
+                     for name, p in holder._parameters.items() if p is not None]
+            found.append((path, m, owned))
+            if not top:
+                return
+        for name, child in m.named_children():
+            visit(f"{path}.{name}" if path else name, child, False)
 
-
-def unsupported_message(found):
-    kinds = ", ".join("nn." + kind.__name__ for kind in TORCH_LAYERS)
-    foreign = ", ".join(name.rpartition(".")[2] for name in FOREIGN)
-    lines = [f"tiny_zero cannot shard the parameters of {count(sum(map(len, found.values())), 'module')} "
-             f"of {count(len(found), 'type')}:"]
-    for cls, paths in found.items():
-        lines.append(f"  {qualified_name(cls)}: {count(len(paths), 'module')}, e.g. '{paths[0]}'{own_forward(cls)}")
-    lines += [f"Parameters must live in {kinds} (or a subclass that keeps its forward), or, matched by name, "
-              f"in transformers' {foreign}.",
-              "To add a layer: write its forward and backward as in tiny_zero/module/more_layers.py and list it "
-              "in tiny_zero/module/swap.py, in TORCH_LAYERS, or in FOREIGN for another library's class "
-              "(docs/huggingface.md, \"Adding a layer\")."]
-    return "\n".join(lines)
+    visit("", module, True)
+    return found
 
 
-def count(n, thing):
-    return f"{n} {thing}{'s' * (n != 1)}"
-
-
-def own_forward(cls):
-    """Why a subclass of a supported torch layer is not converted (its
-    parameters, even tied to a converted layer's, would be read by its own
-    forward), or "" for any other class."""
-    for kind in TORCH_LAYERS:
-        if issubclass(cls, kind) and class_kind(cls) is None:
-            return f" (a subclass of nn.{kind.__name__} with a forward of its own, which tiny_zero's would replace)"
-    return ""
+def holds_its_own(module, converted):
+    """`module` holds a parameter that no converted layer holds (`converted`:
+    their ids; BERT's head keeps an alias of its decoder Linear's bias, which
+    it never reads), or is a subclass of a torch layer with a forward of its
+    own, which reads its parameters itself (Gemma's embedding, tied to a head)."""
+    params = [p for p in module._parameters.values() if p is not None]
+    own_forward = any(isinstance(module, kind) for kind in TORCH_LAYERS)  # and not converted: layer_kind is None
+    return any(id(p) not in converted for p in params) or (bool(params) and own_forward)
 
 
 def layer_classes(*mixins, name_from=None):
@@ -186,12 +176,14 @@ def original_class(layer, kind):
 
 def swap_layers(module, classes=None):
     """Convert every layer of `module` that tiny_zero supports to classes[its
-    kind], in place; raise first if a parameter lives in any other module."""
+    kind], in place, but inside the modules that train through hooks
+    (hooked_modules), which keep their own forward."""
     classes = classes or DEFAULT_CLASSES
-    check_supported(module)
+    inside_hooked = {id(inner) for _, m, owned in hooked_modules(module) if m is not module
+                     for inner in m.modules()}
     for layer in module.modules():
         kind = layer_kind(layer)
-        if kind is None:
+        if kind is None or id(layer) in inside_hooked:
             continue
         original = original_class(layer, kind)
         if original is kind:

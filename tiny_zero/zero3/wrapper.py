@@ -18,9 +18,8 @@ import torch
 
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs
-from ..module import CallbackLayer
 from ..step import Wrapper
-from ..units import Gathering, gather_units
+from ..units import Gathering, gather_units, held_for_pass
 from .layers import LAYER_CLASSES
 
 
@@ -32,8 +31,9 @@ class Zero3(Gathering, Wrapper):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         table = owner_table([(n, p.numel()) for n, p in self.named_params], self.world_size)
         self.owner = {p: table[name] for name, p in self.named_params}  # STRATEGY: whole tensors, one owner each
-        layers = [m for m in self.module.modules() if isinstance(m, CallbackLayer)]
-        self.unit_params = unit_params(gather_units(self.module, layers, units))
+        layers = self.strategy_layers  # tiny_zero's layers and the hooked modules (hooked.py)
+        groups = gather_units(self.module, layers, units)
+        self.unit_params = unit_params(groups)
         unit_of = {p: unit for unit, params in self.unit_params.items() for p in params}
         buckets = owner_buckets(self.trainable[::-1], self.owner, unit_of, bucket_bytes)  # grad-ready order
         self.owned_buckets = [b for b in buckets if self.owner[b.params[0]] == self.rank]
@@ -47,7 +47,7 @@ class Zero3(Gathering, Wrapper):
         self.full, self.sends, self.views = {}, {}, {}  # per unit: see make_buffer
         for unit in self.unit_params if self.gathers else ():
             self.make_buffer(unit)
-        self.start_gathering(self.units_of)
+        self.start_gathering(self.units_of, held_for_pass(groups, self.unit_params, self.unit_params.get))
         self.sending = []  # (bucket, its reduce) in flight
 
     def keep_owned(self, owned_buckets):
