@@ -60,6 +60,12 @@ CONFIGS = {  # name: the config; each compared loss by loss
     "offload_accumulate_bf16": config(2, zero=OFFLOAD, gradient_accumulation_steps=2, bf16={"enabled": True},
                                       zero_force_ds_cpu_optimizer=False),
     "bf16": config(2, bf16={"enabled": True}, gradient_clipping=0.1),
+    "stage3_offload_accumulate_clip": config(3, zero=OFFLOAD, gradient_accumulation_steps=2, gradient_clipping=0.1,
+                                             scheduler=DECAY, zero_force_ds_cpu_optimizer=False),
+    "stage3_offload_params_bf16": config(3, zero={**OFFLOAD, "offload_param": {"device": "cpu"}},
+                                         bf16={"enabled": True}, zero_force_ds_cpu_optimizer=False),
+    "stage3_offload_params": config(3, zero={**OFFLOAD, "offload_param": {"device": "cpu"}},
+                                    gradient_clipping=0.1, zero_force_ds_cpu_optimizer=False),
 }
 
 

@@ -181,6 +181,21 @@ def test_keys_map_to_the_strategy_and_its_settings():
     assert fp16.loss_scale == {"init_scale": 256.0, "window": 1000, "hysteresis": 3, "min_scale": 1}
 
 
+def test_stage3_offload_is_fsdp_with_its_optimizer_and_parameters_on_the_host():
+    """offload_optimizer at stage 3 picks FSDPOffload; offload_param with it sets offload_params;
+    offload_param without it, or below stage 3, is refused by name."""
+    from tiny_zero.engine import strategy_classes
+    from tiny_zero.fsdp.optim import FSDPOffloadAdamW
+    from tiny_zero.fsdp.wrapper import FSDPOffload
+    c = read_config(checks.config(3, zero=checks.OFFLOAD), 2)
+    assert (c.strategy, c.offload_optimizer, c.offload_params) == ("fsdp", True, False)
+    assert strategy_classes(c) == (FSDPOffload, FSDPOffloadAdamW) and "offload_params" not in c.wrapper_options()
+    params = {**checks.OFFLOAD, "offload_param": {"device": "cpu"}}
+    assert read_config(checks.config(3, zero=params), 2).wrapper_options()["offload_params"] is True
+    with pytest.raises(ValueError, match="offload_param.device = 'cpu' is supported by tiny_zero at stage 3"):
+        read_config(checks.config(2, zero=params), 2)
+
+
 def test_auto_and_words_are_read_as_deepspeed_reads_them():
     """DeepSpeed's pydantic sections drop "auto" (the default: fp32, stage 0)
     and read "false"/"true"; elsewhere "auto" is refused by name, not read."""

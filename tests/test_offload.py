@@ -92,10 +92,12 @@ def world2():
         ("fp32", "state_on_the_host", (None,)),
         ("bf16", "state_on_the_host", ("bf16",)),
         ("overlap", "grads_leave_during_backward", ()),
-        ("threads", "step_on_every_core", ())])
+        ("threads", "step_on_every_core", ()),
+        ("stage3", "fsdp_state_on_the_host", (False,)),
+        ("stage3_params", "fsdp_state_on_the_host", (True,))])
 
 
-@pytest.mark.parametrize("check", ["fp32", "bf16", "overlap", "threads"])
+@pytest.mark.parametrize("check", ["fp32", "bf16", "overlap", "threads", "stage3", "stage3_params"])
 def test_offload_world_2(world2, check):
     failures = [f for rank in world2[check] for f in rank]
     assert not failures, "\n".join(failures)
