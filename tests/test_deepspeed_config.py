@@ -38,9 +38,10 @@ BAD = {  # name: (config, what the error must say)
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    plan = [("resume", "resume", (str(tmp_path_factory.mktemp("ds_checkpoint")),)),
-            ("bad", "bad_configs", ({name: cfg for name, (cfg, _) in BAD.items()},)),
-            ("comm", "comm_names", ()), ("bad_clients", "bad_clients", ())]
+    plan = [(("resume", name), "resume", (str(tmp_path_factory.mktemp("ds_checkpoint")), name))
+            for name in checks.RESUMED]
+    plan += [("bad", "bad_configs", ({name: cfg for name, (cfg, _) in BAD.items()},)),
+             ("comm", "comm_names", ()), ("bad_clients", "bad_clients", ())]
     if HAS_DEEPSPEED:
         plan.append(("compare", "compare", (list(RUNS),)))
         plan.append(("partial", "partial_loads", (str(tmp_path_factory.mktemp("partial")),)))
@@ -72,9 +73,10 @@ def test_clipping_moves_the_losses_more_than_the_tolerance(world):
     assert max(abs(a - b) for a, b in zip(plain, clipped)) > 10 * FP32_ATOL
 
 
+@pytest.mark.parametrize("name", list(checks.RESUMED))
 @pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
-def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world):
-    for result in world["resume"]:
+def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world, name):
+    for result in world["resume", name]:
         assert result["resumed"] == result["whole"]
         assert result["client_state"] == {"epoch": 3}
         assert result["path"].endswith("global_step2")
