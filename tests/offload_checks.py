@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import tiny_zero
-from tiny_zero import optimizer
+from tiny_zero import explain, optimizer
+from tiny_zero.config import read_config
 from tiny_zero.measure.memory import TensorMemory
 from tiny_zero.fsdp.optim import FSDPOffloadAdamW
 from tiny_zero.fsdp.wrapper import FSDPOffload
@@ -130,7 +131,8 @@ def fsdp_state_on_the_host(offload_params):
         memory.attach(model, opt)
         train(model, opt, range(2))
         opt.zero_grad()
-        on_device = memory.placement()["device"]
+        placement = memory.placement()
+    on_device = placement["device"]
     slice_storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in model.slices.values()}
     host_storages = {t.untyped_storage().data_ptr() for t in model.host}
     pinned = model.device.type == "cuda"
@@ -152,4 +154,12 @@ def fsdp_state_on_the_host(offload_params):
     if on_device != expected:
         failures.append(f"{where}: {on_device} bytes on the device after the step, not the slices' and the "
                         f"released zero's {expected}")
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    settings = read_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, dist.get_world_size())
+    said = "\n".join(explain.held_lines(ParityNet(), settings)[0])
+    if dist.get_rank() == 0 and f"in host memory {placement['host']:,} B" not in said:  # explain tells rank 0's
+        failures.append(f"{where}: {placement['host']:,} bytes in host memory, which python -m tiny_zero.explain "
+                        f"does not say:\n{said}")
     return failures

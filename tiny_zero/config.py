@@ -229,7 +229,7 @@ def read_zero(zero, c):
             raise ValueError("DeepSpeed config: offload_optimizer with stage 0 is not supported (as in DeepSpeed): "
                              "use stage 2 (or 3) with offload_optimizer")
         if stage == 3:
-            c.changed.append(("zero_optimization.offload_optimizer.device", "cpu: tiny_zero.offload.FSDPOffload "
+            c.changed.append(("zero_optimization.offload_optimizer.device", "cpu: tiny_zero/fsdp/wrapper.py: FSDPOffload "
                               "(each rank's fp32 masters, grads and AdamW of its slices in host memory)"))
         else:
             c.strategy = "offload"

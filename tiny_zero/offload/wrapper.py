@@ -41,7 +41,7 @@ class HostMemory:
     """What both offloads share: the optimizer's side in host memory. Grads
     land there as each collective finishes (grad_to_host), the step's scale
     and clip come there, and the copies both ways run on a side stream on
-    CUDA. `averaged` and `landing` are set by the wrapper."""
+    CUDA. (`averaged`, the grads written this step, is the Wrapper's.)"""
 
     side_stream = None  # CUDA: the stream the copies run on (use_host)
 
