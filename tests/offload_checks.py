@@ -150,7 +150,8 @@ def fsdp_state_on_the_host(offload_params):
             failures.append(f"{where}: a {what} is not pinned: its copy would not be asynchronous")
     if offload_params != all(p in host_storages for p in slice_storages):
         failures.append(f"{where}: the parameters' slices are {'not ' if offload_params else ''}in model.host")
-    expected = (0 if offload_params else sum(slice_storages.values())) + model.released_zero.nbytes
+    released = model.released_zero.nbytes if model.released_zero is not None else 0  # none at world 1 on CPU
+    expected = (0 if offload_params else sum(slice_storages.values())) + released
     if on_device != expected:
         failures.append(f"{where}: {on_device} bytes on the device after the step, not the slices' and the "
                         f"released zero's {expected}")

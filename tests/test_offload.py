@@ -133,8 +133,10 @@ def test_cuda_peak_memory_below_zero2(model):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 def test_cuda_parity_and_host_state():
-    """World 1 on CUDA: offload equals torch (nn layers, torch.optim.AdamW on
-    the GPU) at rtol 1e-5 / atol 1e-6 in the parity modes; the masters, the
-    moments and the grads are pinned host tensors, only flat_params on the GPU."""
+    """World 1 on CUDA: offload, and stage 3's FSDPOffload with and without
+    offload_params, equal torch (nn layers, torch.optim.AdamW on the GPU) at
+    rtol 1e-5 / atol 1e-6 in the parity modes; the masters, the moments and
+    the grads are pinned host tensors, only flat_params (FSDPOffload: the
+    slices, or nothing with offload_params) on the GPU."""
     failures = cuda_check("parity")
     assert not failures, "\n".join(failures[:40])
