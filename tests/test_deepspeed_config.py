@@ -185,7 +185,7 @@ def test_keys_map_to_the_strategy_and_its_settings():
 
 def test_stage3_offload_is_fsdp_with_its_optimizer_and_parameters_on_the_host():
     """offload_optimizer at stage 3 picks FSDPOffload; offload_param with it sets offload_params;
-    offload_param without it, or below stage 3, is refused by name."""
+    offload_param without it, or below stage 3, is refused by name, as offload_optimizer at stage 0."""
     from tiny_zero.engine import strategy_classes
     from tiny_zero.fsdp.optim import FSDPOffloadAdamW
     from tiny_zero.fsdp.wrapper import FSDPOffload
@@ -196,6 +196,8 @@ def test_stage3_offload_is_fsdp_with_its_optimizer_and_parameters_on_the_host():
     assert read_config(checks.config(3, zero=params), 2).wrapper_options()["offload_params"] is True
     with pytest.raises(ValueError, match="offload_param.device = 'cpu' is supported by tiny_zero at stage 3"):
         read_config(checks.config(2, zero=params), 2)
+    with pytest.raises(ValueError, match="offload_optimizer with stage 0 is not supported"):
+        read_config(checks.config(0, zero=checks.OFFLOAD), 2)
 
 
 def test_auto_and_words_are_read_as_deepspeed_reads_them():

@@ -226,8 +226,8 @@ def read_zero(zero, c):
     if offload_device(zero, "offload_optimizer", "cpu_offload", OFFLOAD, c) == "cpu":
         c.offload_optimizer = True
         if stage == 0:
-            raise ValueError("DeepSpeed config: offload_optimizer with stage 0 is not supported (as in DeepSpeed): "
-                             "use stage 2 (or 3) with offload_optimizer")
+            raise ValueError("DeepSpeed config: offload_optimizer with stage 0 is not supported by tiny_zero: its "
+                             "offloads step each rank's shard of the optimizer; use stage 2 (or 3) with it")
         if stage == 3:
             c.changed.append(("zero_optimization.offload_optimizer.device", "cpu: tiny_zero/fsdp/wrapper.py: FSDPOffload "
                               "(each rank's fp32 masters, grads and AdamW of its slices in host memory)"))
