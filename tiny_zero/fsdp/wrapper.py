@@ -26,7 +26,8 @@ the step runs on the CPU, and the updated slices are copied back to the
 device (sync_params). With offload_params (offload_param) the slices
 themselves are in host memory and nothing is copied back: before a unit's
 all_gather, this rank's slice is copied into its place in the full buffer,
-on the side stream that the all_gather waits for, and gathered in place.
+on the side stream that the all_gather waits for, and gathered in place
+(on a GPU even at world 1: the layers cannot read host memory).
 """
 import torch
 
