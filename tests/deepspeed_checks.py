@@ -60,6 +60,12 @@ CONFIGS = {  # name: the config; each compared loss by loss
     "offload_accumulate_bf16": config(2, zero=OFFLOAD, gradient_accumulation_steps=2, bf16={"enabled": True},
                                       zero_force_ds_cpu_optimizer=False),
     "bf16": config(2, bf16={"enabled": True}, gradient_clipping=0.1),
+    "stage3_offload_accumulate_clip": config(3, zero=OFFLOAD, gradient_accumulation_steps=2, gradient_clipping=0.1,
+                                             scheduler=DECAY, zero_force_ds_cpu_optimizer=False),
+    "stage3_offload_params_bf16": config(3, zero={**OFFLOAD, "offload_param": {"device": "cpu"}},
+                                         bf16={"enabled": True}, zero_force_ds_cpu_optimizer=False),
+    "stage3_offload_params": config(3, zero={**OFFLOAD, "offload_param": {"device": "cpu"}},
+                                    gradient_clipping=0.1, zero_force_ds_cpu_optimizer=False),
 }
 
 
@@ -172,13 +178,18 @@ def compare(names):
             for name in names}
 
 
-RESUMED = config(2, gradient_accumulation_steps=2, gradient_clipping=0.1, scheduler=DECAY)
+RESUMED = {  # name: a config whose run resume() saves after 2 steps and resumes
+    "stage2": config(2, gradient_accumulation_steps=2, gradient_clipping=0.1, scheduler=DECAY),
+    "stage3_offload_params_bf16": config(3, zero={**OFFLOAD, "offload_param": {"device": "cpu"}},
+                                         gradient_accumulation_steps=2, gradient_clipping=0.1, scheduler=DECAY,
+                                         bf16={"enabled": True}),
+}
 
 
-def resume(directory):
+def resume(directory, name="stage2"):
     """Losses of an uninterrupted run, and of one saved after 2 steps and resumed by a new engine;
     the client_state and counters that come back."""
-    cfg = copy.deepcopy(RESUMED)
+    cfg = copy.deepcopy(RESUMED[name])
     whole, _ = run(tiny_zero, cfg)
     model = Net()
     engine, _, _, _ = tiny_zero.initialize(model=model, config=cfg)

@@ -1,5 +1,5 @@
 """Worker functions for tests/test_offload.py (run on every rank): where
-ZeRO-Offload keeps what, when its grads go to the host, and on how many
+ZeRO-Offload and FSDPOffload keep what, when its grads go to the host, and on how many
 threads its step runs. Each returns a list of failures."""
 import os
 
@@ -7,8 +7,11 @@ import torch
 import torch.distributed as dist
 
 import tiny_zero
-from tiny_zero import optimizer
+from tiny_zero import explain, optimizer
+from tiny_zero.config import read_config
 from tiny_zero.measure.memory import TensorMemory
+from tiny_zero.fsdp.optim import FSDPOffloadAdamW
+from tiny_zero.fsdp.wrapper import FSDPOffload
 from tiny_zero.offload.wrapper import host_cores
 from parity_checks import PER_RANK, ParityNet, global_batch
 
@@ -109,3 +112,55 @@ def step_on_every_core():
         return [f"rank {dist.get_rank()}: the step ran on {threads} threads (this rank's share: {share}), "
                 f"{torch.get_num_threads()} after it (1 before)"]
     return []
+
+
+def fsdp_state_on_the_host(offload_params):
+    """FSDPOffload (stage 3 with offload_optimizer; offload_param too if
+    offload_params), after two steps: the fp32 masters, the moments and the
+    averaged grads of this rank's slices are host tensors, apart from the
+    device's slices; with offload_params the slices themselves are host
+    memory. What stays on the device is the slices (none with
+    offload_params) and the released parameters' shared zero: nothing else,
+    to the byte."""
+    where = f"FSDPOffload(offload_params={offload_params}) rank {dist.get_rank()}"
+    failures = []
+    torch.manual_seed(0)
+    with TensorMemory() as memory:
+        model = FSDPOffload(ParityNet(), offload_params=offload_params)
+        opt = FSDPOffloadAdamW(model, lr=1e-2)
+        memory.attach(model, opt)
+        train(model, opt, range(2))
+        opt.zero_grad()
+        placement = memory.placement()
+    on_device = placement["device"]
+    slice_storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in model.slices.values()}
+    host_storages = {t.untyped_storage().data_ptr() for t in model.host}
+    pinned = model.device.type == "cuda"
+    host = [("master", s, torch.float32) for s in model.shards]
+    host += [("moment", t, torch.float32) for s in opt.state.values() for k, t in s.items() if k != "step"]
+    host += [("grad", g, model.reduce_dtype) for g in model.grads.values()]
+    if len(host) < 4 * len(model.shards) or not model.shards:
+        failures.append(f"{where}: the optimizer has no moments for every slice: the check proves nothing")
+    for what, t, dtype in host:
+        apart = offload_params or t.untyped_storage().data_ptr() not in slice_storages
+        if t.device.type != "cpu" or t.dtype != dtype or not apart:
+            failures.append(f"{where}: a {what} is {t.dtype} on {t.device} (or in the device's slices), "
+                            f"not {dtype} on the host")
+        if pinned and what != "moment" and not t.is_pinned():
+            failures.append(f"{where}: a {what} is not pinned: its copy would not be asynchronous")
+    if offload_params != all(p in host_storages for p in slice_storages):
+        failures.append(f"{where}: the parameters' slices are {'not ' if offload_params else ''}in model.host")
+    released = model.released_zero.nbytes if model.released_zero is not None else 0  # none at world 1 on CPU
+    expected = (0 if offload_params else sum(slice_storages.values())) + released
+    if on_device != expected:
+        failures.append(f"{where}: {on_device} bytes on the device after the step, not the slices' and the "
+                        f"released zero's {expected}")
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    settings = read_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, dist.get_world_size())
+    said = "\n".join(explain.held_lines(ParityNet(), settings)[0])
+    if dist.get_rank() == 0 and f"in host memory {placement['host']:,} B" not in said:  # explain tells rank 0's
+        failures.append(f"{where}: {placement['host']:,} bytes in host memory, which python -m tiny_zero.explain "
+                        f"does not say:\n{said}")
+    return failures

@@ -38,9 +38,10 @@ BAD = {  # name: (config, what the error must say)
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    plan = [("resume", "resume", (str(tmp_path_factory.mktemp("ds_checkpoint")),)),
-            ("bad", "bad_configs", ({name: cfg for name, (cfg, _) in BAD.items()},)),
-            ("comm", "comm_names", ()), ("bad_clients", "bad_clients", ())]
+    plan = [(("resume", name), "resume", (str(tmp_path_factory.mktemp("ds_checkpoint")), name))
+            for name in checks.RESUMED]
+    plan += [("bad", "bad_configs", ({name: cfg for name, (cfg, _) in BAD.items()},)),
+             ("comm", "comm_names", ()), ("bad_clients", "bad_clients", ())]
     if HAS_DEEPSPEED:
         plan.append(("compare", "compare", (list(RUNS),)))
         plan.append(("partial", "partial_loads", (str(tmp_path_factory.mktemp("partial")),)))
@@ -72,9 +73,10 @@ def test_clipping_moves_the_losses_more_than_the_tolerance(world):
     assert max(abs(a - b) for a, b in zip(plain, clipped)) > 10 * FP32_ATOL
 
 
+@pytest.mark.parametrize("name", list(checks.RESUMED))
 @pytest.mark.slow  # the spawned world of 2, with DeepSpeed: about 20 s
-def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world):
-    for result in world["resume"]:
+def test_save_and_load_checkpoint_resume_the_uninterrupted_run(world, name):
+    for result in world["resume", name]:
         assert result["resumed"] == result["whole"]
         assert result["client_state"] == {"epoch": 3}
         assert result["path"].endswith("global_step2")
@@ -179,6 +181,23 @@ def test_keys_map_to_the_strategy_and_its_settings():
     assert read_config(checks.config(1, zero=checks.OFFLOAD), 2).strategy == "offload"
     fp16 = read_config(checks.config(0, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 3}), 2)
     assert fp16.loss_scale == {"init_scale": 256.0, "window": 1000, "hysteresis": 3, "min_scale": 1}
+
+
+def test_stage3_offload_is_fsdp_with_its_optimizer_and_parameters_on_the_host():
+    """offload_optimizer at stage 3 picks FSDPOffload; offload_param with it sets offload_params;
+    offload_param without it, or below stage 3, is refused by name, as offload_optimizer at stage 0."""
+    from tiny_zero.engine import strategy_classes
+    from tiny_zero.fsdp.optim import FSDPOffloadAdamW
+    from tiny_zero.fsdp.wrapper import FSDPOffload
+    c = read_config(checks.config(3, zero=checks.OFFLOAD), 2)
+    assert (c.strategy, c.offload_optimizer, c.offload_params) == ("fsdp", True, False)
+    assert strategy_classes(c) == (FSDPOffload, FSDPOffloadAdamW) and "offload_params" not in c.wrapper_options()
+    params = {**checks.OFFLOAD, "offload_param": {"device": "cpu"}}
+    assert read_config(checks.config(3, zero=params), 2).wrapper_options()["offload_params"] is True
+    with pytest.raises(ValueError, match="offload_param.device = 'cpu' is supported by tiny_zero at stage 3"):
+        read_config(checks.config(2, zero=params), 2)
+    with pytest.raises(ValueError, match="offload_optimizer with stage 0 is not supported"):
+        read_config(checks.config(0, zero=checks.OFFLOAD), 2)
 
 
 def test_auto_and_words_are_read_as_deepspeed_reads_them():

@@ -92,10 +92,12 @@ def world2():
         ("fp32", "state_on_the_host", (None,)),
         ("bf16", "state_on_the_host", ("bf16",)),
         ("overlap", "grads_leave_during_backward", ()),
-        ("threads", "step_on_every_core", ())])
+        ("threads", "step_on_every_core", ()),
+        ("stage3", "fsdp_state_on_the_host", (False,)),
+        ("stage3_params", "fsdp_state_on_the_host", (True,))])
 
 
-@pytest.mark.parametrize("check", ["fp32", "bf16", "overlap", "threads"])
+@pytest.mark.parametrize("check", ["fp32", "bf16", "overlap", "threads", "stage3", "stage3_params"])
 def test_offload_world_2(world2, check):
     failures = [f for rank in world2[check] for f in rank]
     assert not failures, "\n".join(failures)
@@ -131,8 +133,10 @@ def test_cuda_peak_memory_below_zero2(model):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 def test_cuda_parity_and_host_state():
-    """World 1 on CUDA: offload equals torch (nn layers, torch.optim.AdamW on
-    the GPU) at rtol 1e-5 / atol 1e-6 in the parity modes; the masters, the
-    moments and the grads are pinned host tensors, only flat_params on the GPU."""
+    """World 1 on CUDA: offload, and stage 3's FSDPOffload with and without
+    offload_params, equal torch (nn layers, torch.optim.AdamW on the GPU) at
+    rtol 1e-5 / atol 1e-6 in the parity modes; the masters, the moments and
+    the grads are pinned host tensors, only flat_params (FSDPOffload: the
+    slices, or nothing with offload_params) on the GPU."""
     failures = cuda_check("parity")
     assert not failures, "\n".join(failures[:40])

@@ -2,6 +2,8 @@
 
     config = read_config("ds_config.json", world_size=8)
     config.strategy        "ddp", "zero1", "zero2", "fsdp" or "offload"
+    config.offload_optimizer, config.offload_params
+                           stage 3 with offload: fsdp's FSDPOffload (tiny_zero/engine.py: strategy_classes)
     config.changed         [(key, what it does here)]: the keys that set something
     config.no_effect       [(key, why)]: keys that tune only DeepSpeed's speed or logging
 
@@ -40,6 +42,8 @@ class Config:
     loss_scale: dict = None  # fp16: static scale, or the dynamic scaler's settings
     reduce_dtype: torch.dtype = None
     bucket_elements: int = None  # reduce_bucket_size; None: the wrappers' default bucket_bytes
+    offload_optimizer: bool = False  # the optimizer in host memory (stage 3: FSDPOffload; else the offload strategy)
+    offload_params: bool = False  # stage 3: the parameters' slices in host memory too
     drop_last: bool = False
     changed: list = field(default_factory=list)  # (key, what it does here)
     no_effect: list = field(default_factory=list)  # (key, why)
@@ -49,6 +53,8 @@ class Config:
         options = {"mixed_precision": self.mixed_precision, "reduce_dtype": self.reduce_dtype}
         if self.bucket_elements is not None and self.strategy != "fsdp":
             options["bucket_bytes"] = self.bucket_bytes()
+        if self.offload_params:
+            options["offload_params"] = True
         return options
 
     def bucket_bytes(self):
@@ -218,18 +224,25 @@ def read_zero(zero, c):
     c.strategy, c.stage = STAGES[stage], stage
     c.changed.append(("zero_optimization.stage", f"{stage}: tiny_zero.{c.strategy}"))
     if offload_device(zero, "offload_optimizer", "cpu_offload", OFFLOAD, c) == "cpu":
-        if stage not in (1, 2):
-            raise ValueError(f"DeepSpeed config: offload_optimizer with stage {stage} is not supported by "
-                             "tiny_zero: its offload is ZeRO-Offload's, on stage 2 (stage 1 gives the same numbers). "
-                             "Use stage 2 with offload_optimizer (the same numbers, the parameters whole on each "
-                             "rank), or stage 3 without it")
-        c.strategy = "offload"
-        c.changed.append(("zero_optimization.offload_optimizer.device", "cpu: tiny_zero.offload (fp32 masters and "
-                          "AdamW in host memory)"))
+        c.offload_optimizer = True
+        if stage == 0:
+            raise ValueError("DeepSpeed config: offload_optimizer with stage 0 is not supported by tiny_zero: its "
+                             "offloads step each rank's shard of the optimizer; use stage 2 (or 3) with it")
+        if stage == 3:
+            c.changed.append(("zero_optimization.offload_optimizer.device", "cpu: tiny_zero/fsdp/wrapper.py: FSDPOffload "
+                              "(each rank's fp32 masters, grads and AdamW of its slices in host memory)"))
+        else:
+            c.strategy = "offload"
+            c.changed.append(("zero_optimization.offload_optimizer.device", "cpu: tiny_zero.offload (fp32 masters "
+                              "and AdamW in host memory)"))
     if offload_device(zero, "offload_param", "cpu_offload_param", OFFLOAD_PARAM, c) == "cpu":
-        raise ValueError("DeepSpeed config: zero_optimization.offload_param.device = 'cpu' (parameters in host "
-                         "memory, ZeRO-Infinity) is not supported by tiny_zero: set its device to 'none' or remove "
-                         "offload_param; stage 3 slices the parameters over the ranks' devices")
+        if stage != 3 or not c.offload_optimizer:
+            raise ValueError("DeepSpeed config: zero_optimization.offload_param.device = 'cpu' is supported by "
+                             "tiny_zero at stage 3 with offload_optimizer.device 'cpu' only (the parameters' slices "
+                             "in host memory, stepped there): add those, or set its device to 'none'")
+        c.offload_params = True
+        c.changed.append(("zero_optimization.offload_param.device", "cpu: FSDPOffload(offload_params=True) (each "
+                          "rank's parameter slices in host memory, copied up for their all-gather)"))
     if "reduce_bucket_size" in zero:
         c.bucket_elements = int(zero["reduce_bucket_size"])
         if c.strategy == "fsdp":

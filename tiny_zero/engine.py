@@ -30,6 +30,8 @@ from .config import DTYPES, load_json, read_config
 from .ddp import DDP, DDPAdamW
 from .distributed import init_distributed
 from .fsdp import FSDP, FSDPAdamW
+from .fsdp.optim import FSDPOffloadAdamW
+from .fsdp.wrapper import FSDPOffload
 from .lr_schedules import SCHEDULES
 from .offload import ZeroOffload, ZeroOffloadAdamW
 from .precision import LossScaler
@@ -41,6 +43,14 @@ LATEST = "latest"  # save_dir/latest names the last tag saved, as DeepSpeed's
 # config.strategy -> (wrapper, optimizer): the strategies a DeepSpeed config can name (tiny_zero/config.py)
 RUNS = {"ddp": (DDP, DDPAdamW), "zero1": (Zero1, Zero1AdamW), "zero2": (Zero2, Zero2AdamW),
         "fsdp": (FSDP, FSDPAdamW), "offload": (ZeroOffload, ZeroOffloadAdamW)}
+
+
+def strategy_classes(settings):
+    """(wrapper, optimizer) for the config: RUNS[settings.strategy]; stage 3
+    with offload_optimizer is fsdp with its optimizer on the host (tiny_zero/offload)."""
+    if settings.strategy == "fsdp" and settings.offload_optimizer:
+        return FSDPOffload, FSDPOffloadAdamW
+    return RUNS[settings.strategy]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -110,7 +120,7 @@ class Engine(nn.Module):
         super().__init__()
         self.settings = settings
         params = list(model_parameters) if model_parameters is not None else None
-        wrapper_class = RUNS[settings.strategy][0]
+        wrapper_class = strategy_classes(settings)[0]
         self.wrapper = wrapper_class(module, loss_scaler=loss_scaler(settings), **settings.wrapper_options())
         self.optimizer, client = self.make_optimizer(params, client_optimizer)
         self.lr_scheduler = make_scheduler(settings, self.optimizer, lr_scheduler, client)
@@ -122,7 +132,7 @@ class Engine(nn.Module):
     def make_optimizer(self, params, client):
         """(the strategy's AdamW, the client's optimizer or None): from the client's
         optimizer when given (DeepSpeed steps that one then), else from the config's."""
-        optimizer_class = RUNS[self.settings.strategy][1]
+        optimizer_class = strategy_classes(self.settings)[1]
         if client is None:
             if not self.settings.optimizer:
                 raise ValueError("tiny_zero.initialize: no optimizer: the config has no \"optimizer\" and "

@@ -92,6 +92,12 @@ def held_lines(module, c):
     if c.strategy == "offload":
         where = estimate.placement(module, c.strategy, c.world_size, c.mixed_precision, bucket_bytes)[0]
         lines.append(f"  on the device {size(where['device'])}; in host memory {size(where['host'])}")
+    elif c.offload_optimizer:  # stage 3 (FSDPOffload): fsdp's slices, with their optimizer on the host
+        host = held["gradients"] + held["optimizer_state"] + held["parameters"]  # the slices, or the step's copy of them
+        device = 0 if c.offload_params else held["parameters"]  # offload_param: the slices live on the host
+        what = ("the parameter slices, their grads and optimizer state" if c.offload_params else
+                "the grads, the optimizer state and a copy of the parameter slices, which the step writes")
+        lines.append(f"  on the device {size(device)}; in host memory {size(host)} ({what})")
     if c.accumulation > 1:
         lines.append(accumulation_line(module, c, held["gradients"]))
     return lines, bucket_bytes

@@ -30,14 +30,11 @@ class ClipAndScale:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
-        """Clip the grads to a global 2-norm of at most max_norm, as
-        torch.nn.utils.clip_grad_norm_ on the unsharded model; returns the norm
-        before clipping (a tensor; of the unscaled grads under fp16). The
-        coefficient is applied inside the optimizer's kernel, with the loss
-        scale, in the pass that reads the grads, where p.grad cannot be read
-        (sharded grads); where p.grad shows the grads (ddp), they are clipped
-        here, as torch's. It stays on the device, as torch's: the host never
-        waits for the norm."""
+        """torch.nn.utils.clip_grad_norm_ on the unsharded model: returns the
+        global norm before clipping (a device tensor, which the host never
+        waits for; of the unscaled grads under fp16). Sharded grads are clipped
+        in the optimizer's kernel, with the loss scale; where p.grad shows the
+        grads (ddp), here, as torch's."""
         comm.where = "clip_grad_norm_"
         # every rank clips, by the same max_norm (a rank alone would send the norm's all-reduce alone, or
         # under ddp, which sends none, step its replica apart); checked before the rank's next collective

@@ -170,10 +170,9 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
     # ------------------------------------------------------------ helpers for strategies
 
     def sent(self, *in_flight):
-        """A bucket's collective was just started (in_flight: the arguments of
-        the strategy's finish). Now wait for the one started before it, and
-        finish it: its collective ran while this bucket's grads were computed.
-        So at most two are in flight, and a sent bucket's grads go one bucket later."""
+        """A bucket's collective was just started (in_flight: the strategy's
+        finish's arguments): finish the one started before it, which ran while
+        this bucket's grads were computed. At most two are in flight."""
         self.sending.append(in_flight)
         if len(self.sending) > 1:
             self.finish(*self.sending.pop(0))
@@ -190,15 +189,12 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
     # model.grads, where a strategy's finish puts the averages (zero2, zero3, fsdp)
 
     def reduce_target(self, dest):
-        """Where a collective should write the sum for `dest` (part of
-        model.grads): dest itself if it holds nothing this step, else a new buffer."""
+        """Where a collective writes dest's sum: dest if it holds nothing this step, else a new buffer."""
         return dest if dest.data_ptr() not in self.averaged else torch.empty_like(dest)
 
     def average_into(self, dest, average):
-        """dest = average (a collective's sum of grads divided by N, Buckets)
-        the first time in a step, dest += average after: the averaged grads
-        add up over backward passes, as p.grad does in torch. Where
-        reduce_target let the collective write into dest, it is there already."""
+        """dest = average the first time in a step, dest += average after (the
+        averages add up over backward passes, as p.grad does; reduce_target)."""
         if dest.data_ptr() in self.averaged:
             dest.add_(average)
         elif average is not dest:

@@ -18,11 +18,22 @@ forward and again before its last layer's backward, the next unit's started
 ahead (unshard); reduce_scatter of each unit's grads during backward, once
 they are final. The optimizer steps the slices: nothing is gathered after
 the step.
+FSDPOffload (DeepSpeed's stage 3 with offload_optimizer): the same units,
+gathers and reduce-scatters, with this rank's optimizer in host memory, as
+../offload's: the fp32 masters, averaged grads and moments of its slices;
+each unit's averaged slice is copied there once its reduce_scatter is done,
+the step runs on the CPU, and the updated slices are copied back to the
+device (sync_params). With offload_params (offload_param) the slices
+themselves are in host memory and nothing is copied back: before a unit's
+all_gather, this rank's slice is copied into its place in the full buffer,
+on the side stream that the all_gather waits for, and gathered in place
+(on a GPU even at world 1: the layers cannot read host memory).
 """
 import torch
 
 from .. import comm
 from ..buckets import Buckets, buckets_from_runs
+from ..offload.wrapper import HostMemory
 from ..step import Wrapper
 from ..units import Gathering, gather_units, held_for_pass
 from .layers import LAYER_CLASSES
@@ -39,7 +50,7 @@ class FSDP(Gathering, Wrapper):
         units = flat_units(groups, self.world_size)
         unit_of = {p: u for u in units for p in u.params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
-        self.gathers = self.world_size > 1  # world 1: every unit is whole here, its slice
+        self.gathers = self.gathers_units()
         trainable = [u for u in units if u.params[0].requires_grad]
         self.slices, self.slice_start = {}, {}
         self.keep_slices(trainable)  # STRATEGY: 1/N of every tensor
@@ -60,7 +71,7 @@ class FSDP(Gathering, Wrapper):
         are dropped one at a time. At world 1 the slice is the unit, and each
         parameter becomes its view of it for good."""
         size = lambda u: u.numel // self.world_size  # noqa: E731
-        local = torch.zeros(sum(size(u) for u in units), dtype=self.param_dtype, device=self.device)
+        local = self.slice_buffer(sum(size(u) for u in units))
         start = 0
         for unit in units:
             self.slice_start[unit], self.slices[unit] = start, local[start:start + size(unit)]
@@ -77,6 +88,13 @@ class FSDP(Gathering, Wrapper):
                 del value  # one full tensor at a time
             start += size(unit)
         return local
+
+    def gathers_units(self):
+        return self.world_size > 1  # world 1: every unit is whole here, its slice
+
+    def slice_buffer(self, numel):
+        """Where this rank's slices are kept: on its device (../offload: in host memory, with offload_params)."""
+        return torch.zeros(numel, dtype=self.param_dtype, device=self.device)
 
     def make_buffer(self, unit):
         """The unit's full buffer and each parameter's view of it, made once;
@@ -148,6 +166,63 @@ class FSDP(Gathering, Wrapper):
         for unit, tensor, start in self.unit_slices():
             full.update(self.gather_bucket(unit, tensor[start:start + self.slices[unit].numel()].float()))
         return full
+
+
+class FSDPOffload(HostMemory, FSDP):
+    """FSDP with this rank's optimizer (with offload_params, its parameter
+    slices too) in host memory: FSDP's layers, gathers and reduce-scatters;
+    below, where the slices, the sums and the masters are put instead."""
+
+    def __init__(self, module, offload_params=False, units=None, **options):
+        self.params_on_host = offload_params  # read by FSDP.__init__, through the hooks below
+        super().__init__(module, units=units, **options)
+        self.use_host()
+        sizes = [shard.numel() for shard in self.shards]
+        self.host_grads = self.host_empty(sum(sizes), self.reduce_dtype).zero_()  # STRATEGY: the slices' grads, on the host
+        self.grads = dict(zip(self.shards, self.host_grads.split(sizes)))
+        on_host = list(self.slices.values()) if self.params_on_host else []
+        self.host = self.shards + list(self.working.values()) + [self.host_grads] + on_host
+
+    def gathers_units(self):
+        # on a GPU the layers cannot read host memory: a unit is brought up even at world 1
+        return super().gathers_units() or (self.params_on_host and self.device.type != "cpu")
+
+    def slice_buffer(self, numel):
+        if not self.params_on_host:
+            return super().slice_buffer(numel)
+        return self.host_empty(numel, self.param_dtype).zero_()  # STRATEGY: the parameters' slices on the host
+
+    def fp32_shards(self, slices):
+        if self.params_on_host:  # at fp32 the host slices are the masters; else the step writes them as its copy
+            return super().fp32_shards(slices)
+        return self.host_masters(slices)  # STRATEGY: this rank's slices' fp32 masters, on the host
+
+    def gather(self, unit):
+        if not self.params_on_host:
+            return super().gather(unit)
+        full, size = self.full[unit], self.slices[unit].numel()
+        full.untyped_storage().resize_(full.numel() * full.element_size())  # STRATEGY: memory for the full unit
+        mine = full[self.rank * size:(self.rank + 1) * size]
+        self.to_device(mine, self.slices[unit])  # STRATEGY: this rank's slice up, queued before the all_gather
+        return full, [comm.all_gather(full, mine, async_op=True)]  # STRATEGY: N slices -> full, around mine
+
+    def reduce_target(self, dest):
+        return torch.empty(dest.numel(), dtype=dest.dtype, device=self.device)  # the sum, on the device
+
+    def average_into(self, dest, average):
+        self.grad_to_host(dest, average)
+
+    def free_gathered(self):
+        super().free_gathered()
+        self.wait_for_copies()  # the step may write the host slices: no copy of them is still reading
+
+    @torch.no_grad()
+    def sync_params(self):
+        if self.params_on_host:
+            return  # the step wrote the host slices themselves; the next gathers copy them up
+        for unit, shard in self.shard_of.items():
+            self.to_device(self.slices[unit], self.working.get(shard, shard))  # STRATEGY: the updated slice
+        self.wait_for_copies()  # the host's buffers are free again when this returns
 
 
 def flat_units(groups, world_size):

@@ -19,6 +19,9 @@ are final (layers.py); when it is done, this rank's slice is copied to the
 host, on a side stream on CUDA, while backward goes on. The step runs on the
 CPU (optim.py); then each updated chunk is copied back to the device and
 all_gathered (sync_params).
+
+HostMemory, below, is what both offloads share: ZeroOffload here, and
+FSDPOffload (../fsdp/wrapper.py: DeepSpeed's stage 3 with offload_optimizer).
 Without a GPU the host and the device are the same memory: the code is the
 same, and the copies are plain copies.
 """
@@ -34,51 +37,29 @@ from ..step import Wrapper
 from .layers import LAYER_CLASSES
 
 
-class ZeroOffload(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_full of the chunks
-    layer_classes = LAYER_CLASSES
+class HostMemory:
+    """What both offloads share: the optimizer's side in host memory. Grads
+    land there as each collective finishes (grad_to_host), the step's scale
+    and clip come there, and the copies both ways run on a side stream on
+    CUDA. (`averaged`, the grads written this step, is the Wrapper's.)"""
 
-    def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
-        super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
-        n = self.world_size
-        buckets = make_buckets(self.trainable[::-1], bucket_bytes, pad_to=n)  # backward runs the last layer first
-        self.flat_params = self.flatten(buckets, self.trainable)
-        self.keep_whole(self.frozen)
-        self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
-                               average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
+    side_stream = None  # CUDA: the stream the copies run on (use_host)
+
+    def use_host(self):
+        """Once the device is known: the copies' stream, and this rank's share
+        of the host's cores (under torchrun, which sets LOCAL_WORLD_SIZE)."""
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # set by torchrun
-        self.cores = max(1, host_cores() // local_ranks) if local_ranks else 1  # this rank's share of the host
-        chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
-        low_precision = self.param_dtype != torch.float32
-        # STRATEGY: the fp32 masters on the host (copied back from, in fp32: pinned then)
-        self.shards = [self.host_copy(c, torch.float32, pinned=not low_precision) for c in chunks]
-        if low_precision:  # the step writes the parameter dtype here too, for the copy back
-            self.working = {s: self.host_copy(c, self.param_dtype, pinned=True) for s, c in zip(self.shards, chunks)}
-        self.host_grads = self.host_empty(self.flat_params.numel() // n, self.reduce_dtype).zero_()
-        self.grads = {shard: self.host_grads[b.start // n:(b.start + b.numel) // n]
-                      for shard, b in zip(self.shards, buckets)}
-        self.host = self.shards + list(self.working.values()) + [self.host_grads]
-        self.sending = []  # (bucket, reduce-scatter, its sum) in flight
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+        self.cores = max(1, host_cores() // local_ranks) if local_ranks else 1
         self.landing = []  # (averaged grads on the host, where this backward's average of them lands)
 
     # ------------------------------------------------------------ backward: grads to the host
 
-    @torch.no_grad()
-    def reduce_scatter(self, bucket):
-        """Send a bucket whose grads are final."""
-        out = torch.empty(bucket.numel // self.world_size, dtype=self.reduce_dtype, device=self.device)
-        handle = comm.reduce_scatter(out, bucket.grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
-        self.sent(bucket, handle, out)
-
-    send = reduce_scatter
-
-    def finish(self, bucket, handle, out):
-        handle.wait()
-        bucket.grads = None  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
-        dest = self.grads[self.shards[bucket.index]]
+    def grad_to_host(self, dest, average):
+        """A collective's average (on the device) into dest, part of model.grads on the host."""
         # the step's first average lands in place; a later backward's is added on the host (after_backward)
         land = dest if dest.data_ptr() not in self.averaged else self.host_empty(dest.numel(), dest.dtype)
-        self.to_host(land, out)  # STRATEGY: the average to the host; backward goes on
+        self.to_host(land, average)  # STRATEGY: the average to the host; backward goes on
         self.averaged.add(dest.data_ptr())
         self.landing.append((dest, land))
 
@@ -96,6 +77,10 @@ class ZeroOffload(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, ga
         with self.host_threads():  # the grads it reads are on the host
             return super().clip_grad_norm_(max_norm)
 
+    def clear_grads(self, set_to_none):
+        with self.host_threads():
+            self.host_grads.zero_()  # zeroed, not freed: every step writes them again (the full grads: Buckets.clear)
+
     def where_the_step_runs(self, *values):
         """The step runs on the host: its scale and its fp16 skip (0-d device
         tensors after a clip or under fp16) come there as the grads did, by
@@ -110,28 +95,22 @@ class ZeroOffload(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, ga
         self.wait_for_copies()
         return tuple(moved.get(id(v), v) for v in values)
 
-    # ------------------------------------------------------------ after the step: parameters to the device
-
-    @torch.no_grad()
-    def sync_params(self):
-        for bucket, shard in zip(self.buckets, self.shards):
-            chunk = bucket.chunk(self.flat_params, self.rank, self.world_size)
-            self.to_device(chunk, self.working.get(shard, shard))  # STRATEGY: the updated chunk, in the parameter dtype
-            bucket.handle = comm.all_gather(bucket.range(self.flat_params), chunk, async_op=True)  # STRATEGY
-        self.wait_for_copies()  # the host's buffers are free again when this returns
-        self.buckets.wait()  # STRATEGY: every rank's updated chunks, before the next forward
-
-    # ------------------------------------------------------------ zero_grad, p.grad, state dicts (torch's conventions)
-
-    def clear_grads(self, set_to_none):
-        with self.host_threads():
-            self.host_grads.zero_()  # the buckets' full grads: Buckets.clear drops them
-
     # ------------------------------------------------------------ the host
+
+    def host_masters(self, tensors):
+        """The fp32 masters of these device tensors (chunks, slices), in host
+        memory; under bf16/fp16 also a host copy of each in the parameter
+        dtype (model.working), which the step writes and the device copies back."""
+        low_precision = self.param_dtype != torch.float32
+        # STRATEGY: the fp32 masters on the host (copied back from, in fp32: pinned then)
+        masters = [self.host_copy(t, torch.float32, pinned=not low_precision) for t in tensors]
+        if low_precision:
+            self.working.update((m, self.host_copy(t, self.param_dtype, pinned=True)) for m, t in zip(masters, tensors))
+        return masters
 
     def host_empty(self, numel, dtype, pinned=True):
         """Host memory; pinned (page-locked) where a GPU copies it, so that the copy is asynchronous."""
-        return torch.empty(numel, dtype=dtype, pin_memory=pinned and self.side_stream is not None)
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned and self.device.type == "cuda")
 
     def host_copy(self, tensor, dtype, pinned):
         return self.host_empty(tensor.numel(), dtype, pinned).copy_(tensor)
@@ -149,7 +128,7 @@ class ZeroOffload(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, ga
 
     def to_device(self, tensor, host):
         """Copy host memory into a device tensor on the side stream; what the
-        device queues next (the all_gather) waits for it."""
+        device queues next (an all_gather) waits for it."""
         if self.side_stream is None:
             tensor.copy_(host)
             return
@@ -177,6 +156,53 @@ class ZeroOffload(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, ga
             yield
         finally:
             torch.set_num_threads(threads)
+
+
+class ZeroOffload(HostMemory, HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_full of the chunks
+    layer_classes = LAYER_CLASSES
+
+    def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
+        super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
+        self.use_host()
+        n = self.world_size
+        buckets = make_buckets(self.trainable[::-1], bucket_bytes, pad_to=n)  # backward runs the last layer first
+        self.flat_params = self.flatten(buckets, self.trainable)
+        self.keep_whole(self.frozen)
+        self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
+                               average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
+        chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
+        self.shards = self.host_masters(chunks)
+        self.host_grads = self.host_empty(self.flat_params.numel() // n, self.reduce_dtype).zero_()
+        self.grads = {shard: self.host_grads[b.start // n:(b.start + b.numel) // n]
+                      for shard, b in zip(self.shards, buckets)}
+        self.host = self.shards + list(self.working.values()) + [self.host_grads]
+        self.sending = []  # (bucket, reduce-scatter, its sum) in flight
+
+    @torch.no_grad()
+    def reduce_scatter(self, bucket):
+        """Send a bucket whose grads are final."""
+        out = torch.empty(bucket.numel // self.world_size, dtype=self.reduce_dtype, device=self.device)
+        handle = comm.reduce_scatter(out, bucket.grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
+        self.sent(bucket, handle, out)
+
+    send = reduce_scatter
+
+    def finish(self, bucket, handle, out):
+        handle.wait()
+        bucket.grads = None  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
+        self.grad_to_host(self.grads[self.shards[bucket.index]], out)
+
+    # ------------------------------------------------------------ after the step: parameters to the device
+
+    @torch.no_grad()
+    def sync_params(self):
+        for bucket, shard in zip(self.buckets, self.shards):
+            chunk = bucket.chunk(self.flat_params, self.rank, self.world_size)
+            self.to_device(chunk, self.working.get(shard, shard))  # STRATEGY: the updated chunk, in the parameter dtype
+            bucket.handle = comm.all_gather(bucket.range(self.flat_params), chunk, async_op=True)  # STRATEGY
+        self.wait_for_copies()  # the host's buffers are free again when this returns
+        self.buckets.wait()  # STRATEGY: every rank's updated chunks, before the next forward
+
 
 
 def host_cores():
