@@ -14,8 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import run_checks
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_hooked_modules_train_as_torch_ddp(world_size):
     """Every strategy: the loss at every step, every parameter and buffer after
     3 AdamW steps; at world 2 also gradient accumulation under no_sync() with an

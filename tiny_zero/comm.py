@@ -254,10 +254,4 @@ def get_local_rank():
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def barrier(group=None):
-    """Every rank waits for the others (after the agreements in flight are settled, as before any collective)."""
-    agreements.check_agreements()
-    dist.barrier(group)
-
-
 from . import agreements, distributed  # noqa: E402  (last: agreements.py takes Pending from here)

@@ -175,6 +175,7 @@ class Gathering:
     def forward(self, *args, **kwargs):
         """held_for_pass: gathered first, and kept where a backward may follow."""
         for unit in [u for u in self.held if u not in self.gathered] if self.gathers else ():
+            agree("the units held through a pass", unit=unit.index)  # as a layer's gather: every rank is at it
             self.gathered[unit] = self.in_flight.pop(unit, None) or self.gather(unit)
             self.settle(unit)
         out = super().forward(*args, **kwargs)
