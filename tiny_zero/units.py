@@ -143,7 +143,7 @@ def gather_units(module, layers, units):
 
 
 def held_for_pass(groups, units, params_of):
-    """The units gathered from a forward's start to its backward's end, as
+    """The units gathered from a forward's first layer to its backward's end, as
     FSDP2 keeps its root's parameters: those of frozen parameters outside
     every block (`groups`, gather_units'). Code outside their layer may read
     them (DeBERTa's relative embeddings, Whisper's encoder positions) where no
@@ -170,22 +170,20 @@ class Gathering:
         self.order = GatherOrder(units_of)
         self.gathered = {}  # unit -> (its buffer, [its gather's handles]), while its layers use it
         self.in_flight = {}  # unit -> the same, a gather started ahead of use
-        self.held = list(held)  # gathered from a forward's start to its backward's end (held_for_pass)
+        self.held = list(held)  # gathered from a forward's first layer to its backward's end (held_for_pass)
 
     def forward(self, *args, **kwargs):
-        """held_for_pass: gathered first, and kept where a backward may follow."""
-        for unit in [u for u in self.held if u not in self.gathered] if self.gathers else ():
-            agree("the units held through a pass", unit=unit.index)  # as a layer's gather: every rank is at it
-            self.gathered[unit] = self.in_flight.pop(unit, None) or self.gather(unit)
-            self.settle(unit)
+        """held_for_pass: gathered with the forward's first layer (unshard), kept where a backward may follow."""
         out = super().forward(*args, **kwargs)
-        for unit in self.held if self.gathers and not torch.is_grad_enabled() else ():  # no backward follows
-            self.free(unit)
+        for unit in [u for u in self.held if u in self.gathered] if not torch.is_grad_enabled() else ():
+            self.free(unit)  # no backward follows
         return out
 
     def unshard(self, layer, training, backward):
         """Before a layer computes: its units gathered, the next one's started."""
         missing = [u for u in self.units_of[layer] if u not in self.gathered]
+        if self.held and not backward:  # held_for_pass: with the first layer, after the ranks agree on it
+            missing += [u for u in self.held if u not in self.gathered and u not in missing]
         self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
         if not missing:
             return
