@@ -67,11 +67,22 @@ def built_alike():
             def __init__(self):
                 super().__init__()
                 self.fc = nn.Linear(4, 4)
-        late = Late()
+                self.cut_at_once = self.fc.weight.is_meta
+
+        class WithPostInit(nn.Module):  # duck-typed as transformers' PreTrainedModel
+            def __init__(self):
+                super().__init__()
+                self.inner = Late()
+                self.post_init()
+
+            def post_init(self):
+                self.whole_in_post_init = not self.inner.fc.weight.is_meta
+        late, deferred = Late(), WithPostInit()
     return {"all_meta": all(p.is_meta for p in cut.parameters()), "late_cut": late.fc.weight.is_meta,
             "held": (held_bytes(cut), held_bytes(whole)),
             "equal": {name: torch.equal(v, expected[name]) for name, v in whole_values(cut).items()},
-            "tied": cut.head.weight is cut.emb.weight}
+            "tied": cut.head.weight is cut.emb.weight, "one_at_a_time": late.cut_at_once,
+            "deferred": (deferred.whole_in_post_init, deferred.inner.cut_at_once, deferred.inner.fc.weight.is_meta)}
 
 
 def modifier():
@@ -102,3 +113,40 @@ def trains_alike(stages):
     except ValueError as e:
         out["wrapped"] = str(e)
     return out
+
+
+def tiny_llama():
+    """A Hugging Face model, whose post_init re-initialises every module after they are built."""
+    import transformers as T  # only here: the other checks run without it
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, initializer_range=0.5))
+
+
+def hf_alike(steps):
+    """A tiny Llama built whole and under Init, wrapped at stage 3: (its whole values as wrapped, the
+    losses of `steps` steps) for each."""
+    runs = []
+    for under_init in (False, True):
+        torch.manual_seed(0)
+        if under_init:
+            with tiny_zero.zero.Init():
+                model = tiny_llama()
+        else:
+            model = tiny_llama()
+        if under_init:
+            all_meta = all(p.is_meta for p in model.parameters())
+            tied = model.lm_head.weight is model.model.embed_tokens.weight
+        engine, _, _, _ = tiny_zero.initialize(model=model, config=config(3))
+        values = engine.wrapper.full_state_dict()
+        losses = []
+        for i in range(steps):
+            x, y = batch(i)
+            loss = engine(input_ids=x, labels=y).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs.append((values, losses))
+    (whole, whole_losses), (cut, cut_losses) = runs
+    return {"differ": {k: (cut[k] - v).abs().max().item() for k, v in whole.items() if not torch.equal(cut[k], v)},
+            "keys": sorted(whole) == sorted(cut), "losses": (whole_losses, cut_losses), "cut": all_meta and tied}

@@ -9,14 +9,24 @@ parameters whole for that moment, one module at a time, initialised by the
 module's own code and random numbers), then each of its parameters takes
 rank 0's values and keeps only this rank's 1/N slice (padded), and becomes a
 meta tensor of its full shape. So a rank never holds more than its slices
-and one module's parameters. Wrapping gathers each parameter whole, one at a
-time, and lays it out as the strategy holds it (tiny_zero/materialize.py:
-full_value). The model's forward cannot run before it is wrapped.
+and one module's parameters (but see post_init below). Wrapping gathers each
+parameter whole, one at a time, and lays it out as the strategy holds it
+(tiny_zero/materialize.py: full_value). The model's forward cannot run before it is wrapped.
 
-As under DeepSpeed, a parent whose __init__ writes into a child's parameters
-after building it (a model-wide init, such as transformers' post_init) must
-write inside GatheredParameters(params, modifier_rank=0): the parameters are
-whole inside, and rank 0's values are cut again on the way out.
+A module with a model-wide init of its own, duck-typed as a `post_init`
+method (transformers' PreTrainedModel), rewrites its descendants' parameters
+at the end of its __init__. DeepSpeed leaves that to transformers (which
+gathers around it when it knows ZeRO-3 is on); tiny_zero does not import
+transformers, so instead the cutting of every module built inside such a
+module waits until its __init__ returns, and then all are cut in the order
+they were built. Its post_init thus sees whole parameters and the model
+equals the one built whole with the same seed (cutting draws no random
+numbers). The price: while that outermost __init__ runs, a rank holds the
+whole model, as without Init; plain torch modules still hold one module at
+a time. Any other parent that writes into a child's parameters after
+building it must write inside GatheredParameters(params, modifier_rank=0),
+as under DeepSpeed: the parameters are whole inside, and rank 0's values are
+cut again on the way out.
 """
 import inspect
 
@@ -35,6 +45,7 @@ class Init:
         """module: one built already, cut now. deepspeed_options (config_dict_or_path, dtype,
         remote_device, pin_memory, ...) have no effect: the wrapper casts and places the parameters."""
         self.enabled, self.originals, self.depth = enabled, {}, {}
+        self.owner, self.waiting = None, []  # the module with a model-wide init being built; those built inside it
         if module is not None and enabled:
             init_distributed()
             for m in module.modules():
@@ -79,15 +90,32 @@ class Init:
         """Run one class's __init__; once the outermost (the module's own class) returns, cut what it holds."""
         key = id(module)
         self.depth[key] = self.depth.get(key, 0) + 1
+        if self.owner is None and callable(getattr(type(module), "post_init", None)):
+            self.owner = key  # its post_init will rewrite its descendants: they must stay whole till then
         try:
             original(module, *args, **kwargs)
+        except BaseException:
+            if self.depth[key] == 1 and self.owner == key:
+                self.owner, self.waiting = None, []  # it failed: nothing of it to cut
+            raise
         finally:
             self.depth[key] -= 1
             outermost = self.depth[key] == 0
             if outermost:
                 del self.depth[key]
         if outermost:
+            self.finish(module)
+
+    def finish(self, module):
+        """A module built: cut it now, or, inside a module with a model-wide init, once that one is built."""
+        if self.owner is None:
             cut_parameters(module)
+            return
+        self.waiting.append(module)
+        if self.owner == id(module):
+            waiting, self.owner, self.waiting = self.waiting, None, []
+            for m in waiting:
+                cut_parameters(m)
 
 
 def subclasses(cls):
