@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -150,3 +151,31 @@ def test_cli_errors(capsys):
     with pytest.raises(SystemExit):
         estimate.main(["--model", "tiny", "--world-size", "0"])
     assert "--world-size must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_context_activations_match_the_tensors_a_forward_saves(name):
+    """The estimate against what autograd saves in one forward of the example GPT (torch's attention, one process),
+    counted by tiny_zero.measure.memory; exact but for the loss's scalars. Under context parallelism each rank
+    holds tokens/C of every activation: the estimate falls as 1/C."""
+    from tiny_zero.measure.memory import TensorMemory
+
+    rows, tokens = 4, 64
+    model = build_model(name)
+    with TensorMemory() as memory:
+        memory.attach(model)  # the parameters, which autograd saves too, count as parameters
+        x, y = torch.randint(0, 256, (rows, tokens)), torch.randint(0, 256, (rows, tokens))
+        loss = model(x, y)
+        saved = memory.breakdown()["activations"]
+    del loss
+    whole = estimate.context_activations(model, rows, tokens, split_attention=False)
+    assert 0 <= saved - whole <= 16, (saved, whole)
+    split = estimate.context_activations(model, rows, tokens)
+    assert [estimate.context_activations(model, rows, tokens, c) for c in (2, 4)] == [split // 2, split // 4]
+
+
+def test_context_activations_are_for_the_example_gpt():
+    with pytest.raises(ValueError, match="example GPT"):
+        estimate.context_activations(build_model("llama-tiny", device="meta"), 1, 64)
+    with pytest.raises(ValueError, match="do not split"):
+        estimate.context_activations(build_model("tiny", device="meta"), 1, 64, 3)

@@ -104,6 +104,25 @@ def test_context_parallel_prints_the_single_device_losses(method, single_device_
     assert re.search(r"tiny_zero.measure.estimate: (.*) elements", out).group(1) == sent  # the estimate is exact
 
 
+@pytest.mark.slow
+def test_context_parallel_activations_are_the_estimate_and_half_of_one_rank():
+    """docs/context.md's run: 24 MiB hold a rank's half of each sequence, not the whole (refused at --cp-size 1)."""
+    flags = ["--model", "small", "--seq-len", "128", "--batch-size", "8", "--steps", "1", "--eval-batches", "1",
+             "--max-activation-mib", "24"]
+    out = torchrun("context", *flags)
+    measured = re.search(r"measured \(first step, tiny_zero.measure.memory\): (.*)", out).group(1)
+    assert re.search(r"estimate: (\S+ MiB) at --cp-size 2; .* \(--cp-size 1\) (\S+ MiB), 2.00x", out).groups() == \
+        (measured, "36.15 MiB")
+    refused = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                  script("context"), *flags, "--cp-size", "1")
+    assert refused.returncode != 0 and "36.15 MiB of activations per rank (estimated)" in refused.stderr
+
+
+def test_context_parallel_refuses_a_run_over_the_activation_budget():
+    with pytest.raises(SystemExit, match=r"over --max-activation-mib 0.5: split each sequence"):
+        run_in_process("context", *TINY, "--steps", "1", "--cp-size", "1", "--max-activation-mib", "0.5")
+
+
 @pytest.mark.skipif("zero3" not in tiny_zero.STRATEGIES, reason="tiny_zero.zero3 is not there yet")
 def test_readme_main_command():
     """torchrun --nproc_per_node 2 example/zero3/train.py, shortened to 5 steps."""

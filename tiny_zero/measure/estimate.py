@@ -32,6 +32,9 @@ runs once in forward and once in backward. A rank sends and receives about
 volumes are ddp and zero1/2 2Ψ(N-1)/N, zero3 and fsdp 3Ψ(N-1)/N. A tied
 weight is gathered once per layer that uses it, so a GPT's zero3/fsdp traffic
 is a little over 3Ψ. One scalar all-reduce per step (the gradient norm) is left out.
+
+Activations (context_activations): what a rank of the example GPT saves for
+backward in one forward, which context parallelism over C ranks divides by C.
 """
 import argparse
 import sys
@@ -209,6 +212,40 @@ def attention_shapes(module):
     heads = getattr(config, "n_head", None) or config.num_attention_heads
     kv_heads = getattr(config, "n_kv_head", None) or getattr(config, "num_key_value_heads", None) or heads
     return layers, width, width // heads * kv_heads
+
+
+def context_activations(module, rows, tokens, cp_size=1, split_attention=True):
+    """Bytes of the activations one rank holds at the end of a training
+    forward of the example GPT (the tensors autograd saves for backward, in
+    fp32, dropout 0): `rows` sequences of `tokens`, each rank holding
+    tokens/C of every activation under context parallelism of size C. Per
+    token, for L blocks of width d with H heads and a vocabulary of V, in
+    4-byte elements:
+
+        a block    16d + H + 4: its input and the residual after attention
+                   (d each), the two LayerNorms' outputs (d each) and their
+                   mean and 1/std (2 each), q, k, v (3d), attention's output
+                   (d) and log-sum-exp (H), the MLP's 4d hidden before and
+                   after the GELU (8d); and d more where attention is split
+                   (split_attention: ring and Ulysses return heads first, and
+                   c_proj keeps the token-major copy; torch's attention
+                   returns it token-major)
+        the head   2d + 2 + V: ln_f's input, output and statistics, the log-softmax
+
+    plus the token ids and the targets (int64, 16 bytes a token) and the
+    positions (int64, one row). The loss's scalars are left out (a few
+    bytes). Under --mixed-precision the bf16/fp16 tensors take half: this is
+    then an upper bound. The peak of a step, in backward, holds what is still
+    saved then (tiny_zero.measure.memory's activations at the peak), less."""
+    config = module.config
+    if hasattr(config, "n_kv_head") or not hasattr(config, "n_embd"):
+        raise ValueError("context_activations counts the example GPT's tensors (example/model.py: GPT) only")
+    if tokens % cp_size:
+        raise ValueError(f"{tokens} tokens do not split over {cp_size} ranks")
+    d, share = config.n_embd, tokens // cp_size
+    block = 16 * d + config.n_head + 4 + (d if split_attention else 0)
+    per_token = 4 * (config.n_layer * block + 2 * d + 2 + config.vocab_size) + 16
+    return rows * share * per_token + 8 * share
 
 
 def element_bytes(mixed_precision=None, strategy=None):
