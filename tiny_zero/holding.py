@@ -4,6 +4,7 @@ released parameters (released), fp32 masters (fp32_shards). Mixed into
 Wrapper. (What the step does with the averaged grads in model.grads is in
 step.py.)"""
 import torch
+import torch.distributed as dist
 
 from . import comm
 from .materialize import full_value, set_data
@@ -25,9 +26,10 @@ class Holding:
         self.versions[self.position[param]] = param._version
 
     def broadcast_from_first_replica(self, tensor):
-        """Every replica takes the first one's values (replicas are consecutive
-        ranks; here the world, whose first is rank 0): all start alike."""
-        comm.broadcast(tensor, src=self.rank - self.replica, group=self.replica_group)
+        """Every replica takes the first one's values (the first rank of
+        replica_group; of the world, rank 0): all start alike."""
+        group = self.replica_group
+        comm.broadcast(tensor, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
 
     def broadcast_buffers(self):
         """Every replica takes the first one's buffers (BatchNorm's running
