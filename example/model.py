@@ -153,7 +153,7 @@ class GPT(nn.Module):
         elif module_name.rpartition(".")[2].startswith("ln_"):
             tensor.fill_(1.0)  # LayerNorm weight
         else:
-            residual = name.endswith(".c_proj.weight")  # residual projections, scaled by depth
+            residual = name.endswith((".c_proj.weight", ".experts.c_proj"))  # residual projections, scaled by depth
             normal_(tensor, self.seed, name, 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
@@ -395,6 +395,105 @@ def _from_gpt_keys(module, state_dict, prefix, *args):
         state_dict[ours[key]] = state_dict.pop(key)
 
 
+# ---------------------------------------------------------------- a mixture-of-experts GPT
+
+@dataclass
+class MoEGPTConfig(GPTConfig):
+    """GPT with a sparse mixture-of-experts MLP in every other block (blocks 1, 3, ...)."""
+    n_experts: int = 4
+    top_k: int = 2
+    aux_loss_coef: float = 0.01  # Switch/Mixtral's load-balancing loss
+    z_loss_coef: float = 0.0  # ST-MoE's router z-loss (0: off)
+
+
+MOE_CONFIGS: dict[str, MoEGPTConfig] = {
+    "moe-tiny": MoEGPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64),
+    "moe-small": MoEGPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128, n_experts=8),
+}
+
+
+class Experts(nn.Module):
+    """n_experts GPT MLPs as 3-D tensors: expert e is gelu(x c_fc[e]ᵀ) c_proj[e]ᵀ."""
+
+    def __init__(self, config: MoEGPTConfig):
+        super().__init__()
+        d, n = config.n_embd, config.n_experts
+        self.c_fc = nn.Parameter(torch.empty(n, 4 * d, d))
+        self.c_proj = nn.Parameter(torch.empty(n, d, 4 * d))
+        self.act_fn = nn.GELU(approximate="tanh")
+
+    def forward(self, x, chosen, weights):
+        """x (tokens, d); chosen, weights (tokens, top_k): each token's experts and their weights."""
+        out = torch.zeros_like(x)
+        for e in range(self.c_fc.shape[0]):
+            token, slot = torch.where(chosen == e)
+            y = F.linear(self.act_fn(F.linear(x[token], self.c_fc[e])), self.c_proj[e])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Mixtral's sparse MoE: a softmax router, each token to its top_k experts, their outputs weighted by
+    the router's probabilities renormalised over the top_k."""
+
+    def __init__(self, config: MoEGPTConfig):
+        super().__init__()
+        self.top_k = config.top_k
+        self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        self.experts = Experts(config)
+        self.router_logits = None  # the last forward's, for the auxiliary losses
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        self.router_logits = self.router(h)
+        weights, chosen = torch.topk(F.softmax(self.router_logits.float(), dim=-1), self.top_k, dim=-1)
+        return self.experts(h, chosen, weights / weights.sum(dim=-1, keepdim=True)).view(x.shape)
+
+
+class MoEGPT(GPT):
+    """GPT whose odd blocks' MLP is an MoE. With targets, the loss adds
+    aux_loss_coef x the load-balancing loss (and z_loss_coef x the z-loss)."""
+
+    def __init__(self, config: MoEGPTConfig, seed: int = 0):
+        nn.Module.__init__(self)
+        with torch.device("meta"):  # the GPT's layout, then the MoE MLPs in place; values once, below
+            GPT.__init__(self, config, seed)
+        self.moe_blocks = list(range(1, config.n_layer, 2))
+        for i in self.moe_blocks:
+            self.blocks[i].mlp = MoE(config)
+        self.to_empty(device=torch.get_default_device())
+        self.lm_head.weight = self.wte.weight
+        for name, p in self.named_parameters():
+            if not p.is_meta:
+                self.init_parameter(name, p)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(idx, None, position_ids)
+        if targets is None:
+            return logits
+        c = self.config
+        router_logits = tuple(self.blocks[i].mlp.router_logits for i in self.moe_blocks)
+        loss = logits_or_loss(logits, targets) + c.aux_loss_coef * load_balancing_loss_func(
+            router_logits, c.n_experts, c.top_k)
+        if c.z_loss_coef:
+            loss = loss + c.z_loss_coef * router_z_loss_func(router_logits)
+        return loss
+
+
+def load_balancing_loss_func(gate_logits, num_experts, top_k=2, attention_mask=None):
+    """Switch/Mixtral's: num_experts x sum_e (share of the top-k picks for e) x (mean probability of e),
+    over every layer's tokens. Hugging Face's name and arguments (attention_mask: unused here)."""
+    probs = F.softmax(torch.cat(gate_logits).float(), dim=-1)
+    picks = F.one_hot(torch.topk(probs, top_k, dim=-1).indices, num_experts).sum(dim=(0, 1)).float()
+    return num_experts * (picks / len(probs) * probs.mean(dim=0)).sum()
+
+
+def router_z_loss_func(gate_logits):
+    """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)²."""
+    return (torch.logsumexp(torch.cat(gate_logits).float(), dim=-1) ** 2).mean()
+
+
 def build_model(name_or_config: str | GPTConfig | LlamaConfig, seed: int = 0, device=None,
                 **overrides) -> GPT | Llama:
     """GPT or Llama from a CONFIGS name or a config; overrides replace config fields.
@@ -402,11 +501,12 @@ def build_model(name_or_config: str | GPTConfig | LlamaConfig, seed: int = 0, de
     With device="meta" the model is built instantly and allocates nothing.
     """
     if isinstance(name_or_config, str):
-        if name_or_config not in CONFIGS:
-            raise ValueError(f"unknown model {name_or_config!r}; choose from {', '.join(CONFIGS)}")
-        name_or_config = CONFIGS[name_or_config]
+        known = {**CONFIGS, **MOE_CONFIGS}
+        if name_or_config not in known:
+            raise ValueError(f"unknown model {name_or_config!r}; choose from {', '.join(known)}")
+        name_or_config = known[name_or_config]
     config = replace(name_or_config, **overrides)
-    cls = Llama if isinstance(config, LlamaConfig) else GPT
+    cls = Llama if isinstance(config, LlamaConfig) else MoEGPT if isinstance(config, MoEGPTConfig) else GPT
     if device is None:
         return cls(config, seed=seed)
     with torch.device(device):

@@ -169,10 +169,12 @@ def reduce(tensor, dst, async_op=False, group=None):
                 group, _nothing)
 
 
-def all_to_all(out, chunks, async_op=False, group=None):
+def all_to_all(out, chunks, async_op=False, group=None, out_sizes=None, in_sizes=None):
     """Chunk i of `chunks` (split along dim 0) to rank i of the group; `out`
-    gets rank i's chunk for this rank at chunk i."""
-    return _run("all_to_all", chunks, lambda: dist.all_to_all_single(out, chunks, group=group, async_op=True),
+    gets rank i's chunk for this rank at chunk i. Equal chunks, or in_sizes[i]
+    rows to rank i and out_sizes[i] rows from it (uneven: expert parallelism)."""
+    return _run("all_to_all", chunks, lambda: dist.all_to_all_single(out, chunks, out_sizes, in_sizes, group=group,
+                                                                     async_op=True),
                 async_op, group, _copy(out, chunks))
 
 

@@ -1,0 +1,99 @@
+"""Checks run inside spawned worlds for tests/test_experts.py: expert
+parallelism against single-process torch on the whole batch."""
+import copy
+
+import torch
+import torch.distributed as dist
+
+RTOL, ATOL = 1e-5, 1e-6
+MODELS = {"gpt": 4, "mixtral3": 3, "mixtral4": 4, "mixtral8": 8}  # kind: experts
+
+
+def differences(name, got, want):
+    if torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+        return []
+    return [f"{name}: max difference {(got - want).abs().max().item():.3g}"]
+
+
+def build(kind):
+    """The example MoE GPT (top-2 of 4, with the z-loss), or a tiny Mixtral (top-2 of 4 or 8)."""
+    if kind == "gpt":
+        from example.model import build_model
+        return build_model("moe-tiny", z_loss_coef=1e-3, aux_loss_coef=0.1)
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           num_local_experts=MODELS[kind], num_experts_per_tok=2, output_router_logits=True,
+                           router_aux_loss_coef=0.1, attn_implementation="sdpa")
+    return MixtralForCausalLM(config)
+
+
+def loss_of(model, kind, x):
+    if kind == "gpt":
+        return model(x[:, :-1], x[:, 1:])
+    return model(input_ids=x, labels=x).loss
+
+
+def logits_of(model, kind, x):
+    return model(x) if kind == "gpt" else model(input_ids=x).logits
+
+
+def model_parity(kind, ep_size, steps=3, strategy="ddp", rows=2, length=8, must_starve=False):
+    """[failures] of expert parallelism (over `strategy`) against
+    single-process torch on the world's whole batch: this rank's logits, the
+    loss with its auxiliary terms (the mean over the ranks of each rank's
+    loss, as the whole batch's), every parameter after `steps` AdamW steps.
+    must_starve: fail unless this rank routes no token to some expert."""
+    from tiny_zero.experts import data_parallel
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build(kind)
+    reference = copy.deepcopy(module)
+    wrapper, adamw = data_parallel(strategy)
+    model = wrapper(module, ep_size=ep_size)
+    options = dict(lr=1e-2, betas=(0.9, 0.95), eps=1.0, weight_decay=0.1)  # eps=1: see DESIGN.md
+    opt, ref_opt = adamw(model, **options), torch.optim.AdamW(reference.parameters(), **options)
+    failures = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 256, (rows * world, length + 1), generator=g)
+        mine = x[rank * rows:(rank + 1) * rows]
+        if step == 0:
+            failures += differences("logits", logits_of(model, kind, mine[:, :length]).detach(),
+                                    logits_of(reference, kind, mine[:, :length]).detach())
+        loss = loss_of(model, kind, mine)
+        if must_starve:  # so few tokens that this rank sends some expert none
+            failures += starved(model)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        ref_loss = loss_of(reference, kind, x)
+        failures += differences(f"step {step} loss", mean / world, ref_loss.detach())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = model.full_state_dict()
+    for name, value in reference.state_dict().items():
+        failures += differences(f"{name} after {steps} steps", full[name], value)
+    return failures
+
+
+def starved(model):
+    """[a line] if this rank routed a token to every expert in the last forward, in some MoE layer."""
+    for layer in model.moe_layers:
+        picks = torch.topk(layer.router_logits, layer.top_k, dim=-1).indices.reshape(-1)
+        if torch.bincount(picks, minlength=layer.num_experts).min() > 0:
+            return ["every expert got a token from this rank: the starved case did not happen"]
+    return []
+
+
+def refused(kind, ep_size):
+    """The error for experts that do not split over ep_size ranks."""
+    from tiny_zero.experts import ExpertParallel
+    try:
+        ExpertParallel(build(kind), ep_size=ep_size)
+    except ValueError as e:
+        return str(e)
+    return f"no error: {kind} over {ep_size}"

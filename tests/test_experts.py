@@ -1,0 +1,40 @@
+"""Expert parallelism (tiny_zero.experts) equals single-process torch.
+
+The example MoE GPT (top-2 of 4 experts, with the load-balancing and z
+losses) and Hugging Face Mixtrals (top-2 of 4 and of 8) train under
+ExpertParallel as torch trains them on one process on the whole batch: the
+logits, the loss with its auxiliary terms, every parameter after AdamW
+steps; also with so few tokens that a rank routes none to some expert, and
+at world 4 with experts x 2 replicas, over ddp, zero1 and zero2.
+
+The quick tier runs one world of 2; world 4 is in the slow tier."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from harness import run_checks  # noqa: E402
+
+
+def check(results):
+    for key, per_rank in results.items():
+        if key == "refused experts":
+            assert all("3 experts do not split over ep_size=2" in message for message in per_rank), per_rank
+        elif key == "refused size":
+            assert all("ep_size=3 must divide the world size 2" in message for message in per_rank), per_rank
+        else:
+            for rank, failures in enumerate(per_rank):
+                assert not failures, f"{key}, rank {rank}: {failures}"
+
+
+def test_world2():
+    check(run_checks(2, "experts_checks", [
+        ("gpt", "model_parity", ("gpt", 2)),
+        ("mixtral top-2 of 4", "model_parity", ("mixtral4", 2)),
+        ("mixtral top-2 of 8 over zero2", "model_parity", ("mixtral8", 2, 3, "zero2")),
+        ("starved", "model_parity", ("mixtral8", 2, 3, "ddp", 1, 2, True)),
+        ("refused experts", "refused", ("mixtral3", 2)),
+        ("refused size", "refused", ("gpt", 3)),
+    ]))
