@@ -38,3 +38,17 @@ def test_world2():
         ("refused experts", "refused", ("mixtral3", 2)),
         ("refused size", "refused", ("gpt", 3)),
     ]))
+
+
+@pytest.mark.slow
+def test_world4():
+    """Experts over 4 ranks, and experts over 2 x 2 replicas (each expert on
+    two ranks, its grads averaged over them), over ddp, zero1 and zero2."""
+    check(run_checks(4, "experts_checks", [
+        ("gpt ep=4", "model_parity", ("gpt", 4)),
+        ("mixtral top-2 of 8, ep=4", "model_parity", ("mixtral8", 4)),
+        ("gpt ep=2 x 2", "model_parity", ("gpt", 2)),
+        ("mixtral top-2 of 4, ep=2 x 2 over zero1", "model_parity", ("mixtral4", 2, 3, "zero1")),
+        ("mixtral top-2 of 8, ep=2 x 2 over zero2", "model_parity", ("mixtral8", 2, 3, "zero2")),
+        ("starved ep=2 x 2", "model_parity", ("mixtral8", 2, 3, "ddp", 1, 2, True)),
+    ], timeout=600))
