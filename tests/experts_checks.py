@@ -97,3 +97,33 @@ def refused(kind, ep_size):
     except ValueError as e:
         return str(e)
     return f"no error: {kind} over {ep_size}"
+
+
+def accumulate_and_clip(kind, ep_size, strategy="ddp", rows=2, length=8):
+    """[failures] of two micro-batches (the first under no_sync), a clip
+    that clips (the norm, the experts' grads in it) and a step, against
+    torch's on the whole batches."""
+    from tiny_zero.experts import data_parallel
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build(kind)
+    reference = copy.deepcopy(module)
+    wrapper, adamw = data_parallel(strategy)
+    model = wrapper(module, ep_size=ep_size)
+    options = dict(lr=1e-2, eps=1.0, weight_decay=0.1)
+    opt, ref_opt = adamw(model, **options), torch.optim.AdamW(reference.parameters(), **options)
+    batches = [torch.randint(0, 256, (rows * world, length + 1), generator=torch.Generator().manual_seed(10 + i))
+               for i in range(2)]
+    with model.no_sync():
+        loss_of(model, kind, batches[0][rank * rows:(rank + 1) * rows]).backward()
+    loss_of(model, kind, batches[1][rank * rows:(rank + 1) * rows]).backward()
+    for x in batches:
+        loss_of(reference, kind, x).backward()
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    failures = differences("norm", model.clip_grad_norm_(0.05), want)
+    failures += [] if want > 0.05 else [f"the norm {want:.3g} is under the clip: nothing was clipped"]
+    opt.step()
+    ref_opt.step()
+    full = model.full_state_dict()
+    for name, value in reference.state_dict().items():
+        failures += differences(f"{name} after the step", full[name], value)
+    return failures

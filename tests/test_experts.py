@@ -4,7 +4,8 @@ The example MoE GPT (top-2 of 4 experts, with the load-balancing and z
 losses) and Hugging Face Mixtrals (top-2 of 4 and of 8) train under
 ExpertParallel as torch trains them on one process on the whole batch: the
 logits, the loss with its auxiliary terms, every parameter after AdamW
-steps; also with so few tokens that a rank routes none to some expert, and
+steps; also with so few tokens that a rank routes none to some expert,
+with gradient accumulation (no_sync) and a clip of the global norm, and
 at world 4 with experts x 2 replicas, over ddp, zero1 and zero2.
 
 The quick tier runs one world of 2; world 4 is in the slow tier."""
@@ -35,6 +36,7 @@ def test_world2():
         ("mixtral top-2 of 4", "model_parity", ("mixtral4", 2)),
         ("mixtral top-2 of 8 over zero2", "model_parity", ("mixtral8", 2, 3, "zero2")),
         ("starved", "model_parity", ("mixtral8", 2, 3, "ddp", 1, 2, True)),
+        ("no_sync and clip", "accumulate_and_clip", ("gpt", 2)),
         ("refused experts", "refused", ("mixtral3", 2)),
         ("refused size", "refused", ("gpt", 3)),
     ]))
@@ -51,4 +53,5 @@ def test_world4():
         ("mixtral top-2 of 4, ep=2 x 2 over zero1", "model_parity", ("mixtral4", 2, 3, "zero1")),
         ("mixtral top-2 of 8, ep=2 x 2 over zero2", "model_parity", ("mixtral8", 2, 3, "zero2")),
         ("starved ep=2 x 2", "model_parity", ("mixtral8", 2, 3, "ddp", 1, 2, True)),
+        ("no_sync and clip, ep=2 x 2 over zero2", "accumulate_and_clip", ("mixtral4", 2, "zero2")),
     ], timeout=600))

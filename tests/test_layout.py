@@ -49,7 +49,8 @@ CLASSES = {**{name: tiny_zero.STRATEGIES[name] for name in DATA_PARALLEL},
            "tensor": (TensorParallel, TensorParallelAdamW), "pipeline": (Pipeline, PipelineAdamW)}
 FOLDERS = list(CLASSES)  # every strategy folder
 # context (the sequence split) is a strategy folder too, of other files: ddp's wrapper and layers, its own attention
-STRATEGY_FOLDERS = FOLDERS + ["context"]
+# experts (the MoE layers over ranks) too: a data-parallel wrapper for the rest, its own all-to-alls
+STRATEGY_FOLDERS = FOLDERS + ["context", "experts"]
 FILES = {"__init__.py", "layers.py", "wrapper.py", "optim.py"}
 DOCUMENTED = ["layers.py", "wrapper.py", "optim.py"]  # the files a reader reads top to bottom
 EXTRA = {"pipeline": ["schedule.py", "messages.py", "stages.py"]}  # files a folder has beyond the four

@@ -33,7 +33,13 @@ import torch
 import torch.nn as nn
 
 from .. import agreements, comm
+from ..ddp.optim import DDPAdamW
+from ..ddp.wrapper import DDP
 from ..distributed import init_distributed
+from ..zero1.optim import Zero1AdamW
+from ..zero1.wrapper import Zero1
+from ..zero2.optim import Zero2AdamW
+from ..zero2.wrapper import Zero2
 from . import router
 from .layers import ExpertParallelMoE, LocalExperts
 
@@ -197,14 +203,13 @@ def convert(module, name, block, router_name, ep_rank, ep_size, group):
 def data_parallel(strategy):
     """(wrapper, optimizer) classes: expert parallelism over a data-parallel
     strategy of tiny_zero.STRATEGIES ("ddp", "zero1", "zero2")."""
-    from .. import STRATEGIES
     from .optim import ExpertSteps
     if strategy not in SUPPORTED:
         raise ValueError(f"expert parallelism runs over {', '.join(SUPPORTED)}, not {strategy!r}")
-    wrapper_class, adamw_class = STRATEGIES[strategy]
+    wrapper_class, adamw_class = SUPPORTED[strategy]
     wrapper = type(f"Expert{wrapper_class.__name__}", (ExpertSplit, wrapper_class), {"__module__": __name__})
     adamw = type(f"Expert{adamw_class.__name__}", (ExpertSteps, adamw_class), {"wrapper": wrapper, "__module__": __name__})
     return wrapper, adamw
 
 
-SUPPORTED = ("ddp", "zero1", "zero2")
+SUPPORTED = {"ddp": (DDP, DDPAdamW), "zero1": (Zero1, Zero1AdamW), "zero2": (Zero2, Zero2AdamW)}
