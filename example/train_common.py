@@ -36,13 +36,14 @@ from tqdm import tqdm
 
 from example import hf
 from example.data import ByteData, load_text
-from example.model import CONFIGS, build_model as build_example
+from example.model import CONFIGS, MOE_CONFIGS, build_model as build_example
 import tiny_zero
 from tiny_zero import comm
 from tiny_zero.measure import draw, estimate, trace
 from tiny_zero.distributed import uses_cuda
 from tiny_zero.measure.memory import TensorMemory
 from tiny_zero.context import ContextParallel
+from tiny_zero.experts import ExpertSplit
 from tiny_zero.pipeline import Pipeline
 from tiny_zero.tensor import TensorParallel
 
@@ -59,7 +60,8 @@ TRACED_STEP = 2  # --trace records the third step: the first two warm up (optimi
 def parse_args(description=None, argv=None, add_flags=None):
     """The flags every example takes; add_flags(parser) adds a script's own."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small", type=model_name, metavar="{" + ",".join([*CONFIGS, "hf:DIR"]) + "}",
+    p.add_argument("--model", default="small", type=model_name,
+                   metavar="{" + ",".join([*CONFIGS, *MOE_CONFIGS, "hf:DIR"]) + "}",
                    help="a model of example/model.py, or hf:DIR, a Hugging Face causal LM saved in the local "
                         "directory DIR (config and weights; needs transformers) (default: small)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
@@ -103,7 +105,7 @@ def parse_args(description=None, argv=None, add_flags=None):
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
     try:
-        block_size = hf.block_size(args.model[3:]) if args.model.startswith("hf:") else CONFIGS[args.model].block_size
+        block_size = hf.block_size(args.model[3:]) if args.model.startswith("hf:") else KNOWN[args.model].block_size
     except ValueError as e:
         p.error(str(e))
     if args.seq_len > block_size:
@@ -113,10 +115,13 @@ def parse_args(description=None, argv=None, add_flags=None):
 
 
 def model_name(value):
-    """--model: a name in example/model.py's CONFIGS, or hf:DIR."""
-    if value in CONFIGS or (value.startswith("hf:") and len(value) > 3):
+    """--model: a name in example/model.py's CONFIGS (or MOE_CONFIGS), or hf:DIR."""
+    if value in KNOWN or (value.startswith("hf:") and len(value) > 3):
         return value
-    raise argparse.ArgumentTypeError(f"unknown model {value!r}; choose from {', '.join(CONFIGS)}, or hf:DIR")
+    raise argparse.ArgumentTypeError(f"unknown model {value!r}; choose from {', '.join(KNOWN)}, or hf:DIR")
+
+
+KNOWN = {**CONFIGS, **MOE_CONFIGS}
 
 
 def load_data(args):
@@ -428,6 +433,9 @@ class Accounting:
             lines = self.stage_lines(numel, n)
         elif self.strategy == "context":  # ddp's model state; its communication is attention's and ddp's
             lines = self.memory_lines(module, numel, precision, n) + self.context_comm_lines(module)
+        elif isinstance(model, ExpertSplit):  # the rest as its data-parallel strategy holds it; the experts apart
+            rest = sum(p.numel() for p in model.module.parameters())
+            lines = self.memory_lines(model.module, rest, precision, n) + self.experts_lines(module)
         elif self.strategy == "tensor":
             lines = self.memory_lines(model.module, sum(p.numel() for p in model.module.parameters()), precision, n)
             lines += self.tensor_comm_lines(module)
@@ -495,6 +503,22 @@ class Accounting:
         return [f"communication per training step (tiny_zero.comm, {self.steps} steps; every rank alike)",
                 f"  collective sizes: {sizes(per_step)} elements", *loop_collectives(model),
                 f"  tiny_zero.measure.estimate: {sizes(expected)} elements (without the grad norm's scalar all-reduce)"]
+
+    def experts_lines(self, module):
+        """The experts a rank holds and the all-to-alls a step sent (the ranks'
+        mean), next to tiny_zero.measure.estimate, and the experts held
+        without expert parallelism."""
+        model, args, fmt = self.model, self.args, estimate.fmt_bytes
+        held = 16 * sum(p.numel() for p in model.expert_params())  # fp32: the tensor, its grad, two moments
+        sent = [self.sent.get("all_to_all", 0) / max(self.steps, 1)] * model.world_size
+        if model.world_size > 1:
+            dist.all_gather_object(sent, sent[0])  # plain torch.distributed: not counted in comm.stats
+        expected = estimate.experts_comm_per_step(module, args.batch_size, args.seq_len)["all_to_all"]
+        mine, whole = estimate.expert_state(module, model.ep_size), estimate.expert_state(module, 1)
+        return [f"experts per rank (parameters, grads, AdamW moments; in 'parameters' above too): {fmt(held)}; "
+                f"tiny_zero.measure.estimate {fmt(mine)} at --ep-size {model.ep_size}, {fmt(whole)} at 1",
+                f"all_to_all per training step, the ranks' mean: {sum(sent) / len(sent):,.0f} elements; "
+                f"tiny_zero.measure.estimate {expected:,} (counts, dispatch and combine, forward and backward)"]
 
     def stage_lines(self, numel, n):
         """A pipeline's report, stage by stage (the first replica of each):

@@ -201,3 +201,16 @@ def test_weight_decay_only_on_matrices(name):
     assert all(n.endswith(("bias", "norm.weight")) or ".ln_" in n or n.startswith("ln_")
                for n in (names[p] for p in no_decay["params"]))
     assert len(decay["params"]) + len(no_decay["params"]) == len(names)
+
+
+@pytest.mark.slow
+def test_expert_parallel_prints_the_single_device_losses():
+    """example/experts at 2 ranks (2 rows each, experts split over both) prints
+    what one device prints on the 4 rows: the cross-entropy with the whole
+    batch's load-balancing loss; and its all-to-alls are the estimate's."""
+    flags = ["--model", "moe-tiny", "--seq-len", "32", "--eval-batches", "2", "--steps", "4"]
+    one = losses(run_in_process("single_device", *flags, "--batch-size", "4"))
+    out = torchrun("experts", *flags, "--batch-size", "2")
+    assert len(one) == 4 and losses(out) == pytest.approx(one, rel=1e-5, abs=0)
+    sent = re.search(r"the ranks' mean: ([\d,]+) elements; tiny_zero.measure.estimate ([\d,]+)", out)
+    assert sent and sent.group(1) == sent.group(2), out[-2000:]

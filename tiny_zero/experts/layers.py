@@ -65,6 +65,7 @@ class ExpertParallelMoE(nn.Module):
         self.num_experts, self.top_k, self.jitter_noise = num_experts, top_k, jitter_noise
         self.group, self.group_size = group, group_size
         self.router_logits = None  # the last forward's, for a model's auxiliary loss
+        self.path = "experts"  # its name in the model, set by the wrapper
 
     def __setattr__(self, name, value):
         if name == "experts":  # kept out of the module's parameters (LocalExperts)
@@ -91,6 +92,7 @@ class ExpertParallelMoE(nn.Module):
         tokens = order // self.top_k
         counts = torch.bincount(picks, minlength=self.num_experts)
         received = torch.empty_like(counts)
+        comm.where = f"{self.path} dispatch"  # what the timeline and a hang's error name
         comm.all_to_all(received, counts, group=self.group)  # STRATEGY: 1, the counts
         local = self.num_experts // self.group_size
         sent_sizes = counts.view(self.group_size, local).sum(dim=1).tolist()  # to each rank
@@ -98,6 +100,7 @@ class ExpertParallelMoE(nn.Module):
         received_sizes = received.sum(dim=1).tolist()  # from each rank
         rows = AllToAll.apply(h[tokens], received_sizes, sent_sizes, self.group)  # STRATEGY: 2, dispatch
         outputs = self.compute_experts(rows, received)
+        comm.where = f"{self.path} combine"
         back = AllToAll.apply(outputs, sent_sizes, received_sizes, self.group)  # STRATEGY: 3, combine
         weighted = (back * weights.reshape(-1)[order, None]).to(h.dtype)
         return torch.zeros_like(h).index_add(0, tokens, weighted)
@@ -132,4 +135,5 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         out_sizes, in_sizes = ctx.sizes
+        comm.where = "an MoE layer's all-to-all, backward"
         return send_rows(grad, in_sizes, out_sizes, ctx.group), None, None, None

@@ -56,6 +56,9 @@ class ExpertSplit:
     def __init__(self, module, ep_size=None, **options):
         rank, world_size = init_distributed()
         ep_size = world_size if ep_size is None else ep_size
+        if options.get("mixed_precision"):
+            raise ValueError("expert parallelism trains in fp32: the experts are kept apart from the data-parallel "
+                             "wrapper, which would cast the rest. Leave mixed_precision out")
         if not isinstance(ep_size, int) or ep_size < 1 or world_size % ep_size:
             raise ValueError(f"ep_size={ep_size!r} must divide the world size {world_size} (world = ep_size x "
                              "replicas)")
@@ -67,7 +70,7 @@ class ExpertSplit:
         layers = [convert(module, name, block, router_name, rank % ep_size, ep_size, expert_group)
                   for name, block, router_name in blocks]
         super().__init__(module, **options)  # the data-parallel wrapper, over what is not an expert
-        self.ep_size, self.ep_rank, self.replicas = ep_size, rank % ep_size, world_size // ep_size
+        self.ep_size, self.ep_rank, self.expert_replicas = ep_size, rank % ep_size, world_size // ep_size
         self.expert_group = expert_group
         self.replica_group = next(g for g in replica_groups if g is not None)
         self.moe_layers = layers
@@ -195,6 +198,7 @@ def convert(module, name, block, router_name, ep_rank, ep_size, group):
     layer = ExpertParallelMoE(getattr(block, router_name), router_name, experts, count, block.top_k, group,
                               ep_size, getattr(block, "jitter_noise", 0.0))
     layer.train(block.training)
+    layer.path = name
     parent_name, _, child = name.rpartition(".")
     setattr(module.get_submodule(parent_name), child, layer)
     return layer

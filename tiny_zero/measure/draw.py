@@ -18,7 +18,7 @@ from .trace import comm_lanes, of, peak, read, summary_line
 PHASE_COLORS = {"forward": "#dbe9f6", "backward": "#fde2c8", "step": "#dcefd8"}
 LAYER_COLORS = {"forward": "#4c78a8", "backward": "#f58518"}
 KIND_COLORS = {"all_reduce": "#54a24b", "reduce_scatter": "#b279a2", "all_gather": "#4c9ed9",
-               "broadcast": "#72b7b2", "reduce": "#e45756"}
+               "broadcast": "#72b7b2", "reduce": "#e45756", "all_to_all": "#eeca3b"}
 WAIT_COLOR = "#d62728"
 CATEGORY_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#54a24b",
                    "comm_buffers": "#e45756", "activations": "#b279a2", "other": "#bab0ac"}

@@ -248,6 +248,45 @@ def context_activations(module, rows, tokens, cp_size=1, split_attention=True):
     return rows * share * per_token + 8 * share
 
 
+def moe_blocks(module):
+    """(experts, width, top_k) of each sparse MoE block: a module with a top_k
+    whose `experts` holds 3-D tensors (Mixtral's, example/model.py's MoE)."""
+    return [(tensors[0].shape[0], min(tensors[0].shape[1:]), block.top_k)
+            for block, tensors in expert_tensors(module)]
+
+
+def expert_tensors(module):
+    """[(block, its 3-D expert tensors)] of each sparse MoE block of module."""
+    found = []
+    for block in module.modules():
+        experts = getattr(block, "experts", None)
+        tensors = [p for p in experts.parameters() if p.dim() == 3] if isinstance(experts, torch.nn.Module) else []
+        if tensors and hasattr(block, "top_k"):
+            found.append((block, tensors))
+    return found
+
+
+def expert_state(module, ep_size):
+    """Bytes of the experts one rank holds under expert parallelism over
+    ep_size ranks (tiny_zero.experts): E/P of each MoE block's experts,
+    whole, in fp32, with their grads and AdamW's two moments (16 bytes an
+    element). It falls as 1/P; the rest of the model is held as its
+    data-parallel strategy holds it."""
+    numel = sum(p.numel() for _, tensors in expert_tensors(module) for p in tensors)
+    return 16 * numel // ep_size
+
+
+def experts_comm_per_step(module, rows, tokens):
+    """{"all_to_all": elements} one rank sends per step under expert
+    parallelism, on average over the ranks (each counts what it sends, as
+    tiny_zero.comm does): per MoE layer, its E counts, then each of its
+    rows x tokens tokens' top_k picks (width d) dispatched and combined, in
+    forward, and both again in backward. The ranks' sum is exact whatever the
+    routing: every pick is sent once each way."""
+    picks = rows * tokens
+    return {"all_to_all": sum(experts + 4 * picks * top_k * width for experts, width, top_k in moe_blocks(module))}
+
+
 def element_bytes(mixed_precision=None, strategy=None):
     """(P, K): bytes per parameter (and per gradient), and of AdamW state per parameter."""
     p = torch.finfo(param_dtype(mixed_precision)).bits // 8

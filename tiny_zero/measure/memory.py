@@ -343,6 +343,12 @@ def held_tensors(model, optimizer=None):
     `model` is a tiny_zero wrapper (it says what it holds: Wrapper.held) or a
     plain module."""
     state = list(optimizer.state.values()) if optimizer is not None else []
+    if hasattr(model, "expert_params"):  # tiny_zero.experts: this rank's experts, whole, beside the wrapper's
+        held = wrapper_held(model, state + list(optimizer.expert_adamw.state.values()) if optimizer else state)
+        experts = model.expert_params()
+        held["parameters"] += experts
+        held["gradients"] += [p.grad for p in experts if p.grad is not None]
+        return held
     if hasattr(model, "shards"):
         return wrapper_held(model, state)
     params = list(model.parameters())
