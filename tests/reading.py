@@ -4,7 +4,7 @@ tiny_zero functions that one steady step runs, counted in lines, by file.
     python tests/reading.py            # a table for every strategy (2 gloo ranks)
 
 A step is model(x), loss.backward(), model.clip_grad_norm_(1.0), opt.step()
-and opt.zero_grad(), on rank 0 of 2 ranks, after two warm-up steps (the first
+and opt.zero_grad(), on rank 0 of 2 ranks (experts: of the example MoE GPT), after two warm-up steps (the first
 records what later ones repeat). A function counts whole, with its
 docstring, once, however often it runs: that is what a reader opens. The
 layers' math (tiny_zero/module) and the collectives (tiny_zero/comm.py)
@@ -64,8 +64,8 @@ def step_lines(name):
     from example.model import build_model
 
     torch.manual_seed(0)
-    wrapper, adamw = tiny_zero.STRATEGIES[name]
-    model = wrapper(build_model("tiny"))
+    wrapper, adamw = tiny_zero.STRATEGIES[name] if name in tiny_zero.STRATEGIES else OTHERS[name]()
+    model = wrapper(build_model("moe-tiny" if name == "experts" else "tiny"))
     opt = adamw(model, lr=1e-3)
     x = torch.randint(0, 256, (2, 16))
 
@@ -82,11 +82,19 @@ def step_lines(name):
     return reached.lines()
 
 
+def experts():
+    from tiny_zero.experts import ExpertParallel, ExpertParallelAdamW
+    return ExpertParallel, ExpertParallelAdamW
+
+
+OTHERS = {"experts": experts}  # beside the data-parallel ones: the example MoE GPT, experts over both ranks
+
+
 def every_strategy():
     import torch.distributed as dist
 
     import tiny_zero
-    out = {name: step_lines(name) for name in tiny_zero.STRATEGIES}
+    out = {name: step_lines(name) for name in [*tiny_zero.STRATEGIES, *OTHERS]}
     return out if dist.get_rank() == 0 else None
 
 

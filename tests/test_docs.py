@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]
-MODEL_PARALLEL = ["tensor", "pipeline", "context"]  # strategy pages too, without the data-parallel byte table
+MODEL_PARALLEL = ["tensor", "pipeline", "context", "experts"]  # strategy pages too, without the data-parallel byte table
 # Written by the benchmark work; pages may link to it before it lands. Once
 # the file exists it is checked like every other page.
 PENDING = {"docs/benchmarks.md"}

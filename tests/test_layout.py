@@ -272,9 +272,12 @@ def test_the_reading_order_lists_the_folder_and_the_shared_files_it_imports(name
 @pytest.mark.slow
 def test_one_step_reads_in_a_bounded_number_of_lines_and_files():
     """What one steady step of each data-parallel strategy makes a reader
-    follow (tests/reading.py), the files a first reader may skip aside."""
+    follow (tests/reading.py), the files a first reader may skip aside.
+    experts' row is ddp's step and the MoE layers' together: not bounded."""
     import reading
     for name, files in reading.measure().items():
+        if name not in DATA_PARALLEL:
+            continue
         follow = reading.followed(files)
         assert sum(follow.values()) <= MOST_LINES_TO_FOLLOW, (name, follow)
         assert len(follow) <= MOST_FILES_TO_FOLLOW, (name, sorted(follow))
