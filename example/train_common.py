@@ -52,8 +52,8 @@ from tiny_zero.tensor import TensorParallel
 atexit.register(gc.collect)
 
 MAX_GRAD_NORM = 1.0
-OTHER_WRAPPERS = {"pipeline": Pipeline, "tensor": TensorParallel,  # not in tiny_zero.STRATEGIES
-                  "context": ContextParallel}  # first: it is a DDP
+OTHER_WRAPPERS = {"experts": ExpertSplit, "pipeline": Pipeline, "tensor": TensorParallel,  # not in tiny_zero.STRATEGIES
+                  "context": ContextParallel}  # first: each is a DDP (experts: or a Zero1, Zero2)
 TRACED_STEP = 2  # --trace records the third step: the first two warm up (optimizer state, the layer order)
 
 
@@ -433,7 +433,7 @@ class Accounting:
             lines = self.stage_lines(numel, n)
         elif self.strategy == "context":  # ddp's model state; its communication is attention's and ddp's
             lines = self.memory_lines(module, numel, precision, n) + self.context_comm_lines(module)
-        elif isinstance(model, ExpertSplit):  # the rest as its data-parallel strategy holds it; the experts apart
+        elif self.strategy == "experts":  # the rest as its data-parallel strategy holds it; the experts apart
             rest = sum(p.numel() for p in model.module.parameters())
             lines = self.memory_lines(model.module, rest, precision, n) + self.experts_lines(module)
         elif self.strategy == "tensor":
@@ -458,6 +458,8 @@ class Accounting:
         fmt = estimate.fmt_bytes
         # one device holds what ddp holds; a tensor parallel rank, what ddp would hold of its slices
         held_like = self.strategy if self.strategy not in ("single", "tensor", "context") else "ddp"
+        if self.strategy == "experts":  # the rest, as its data-parallel strategy holds it
+            held_like = next(name for name, (cls, _) in tiny_zero.STRATEGIES.items() if isinstance(self.model, cls))
         partition = estimate.model_state(module, held_like, n, precision)[top]
         formula = estimate.zero_formula(held_like, numel, n, precision)
         terms = estimate.formula_terms(held_like, precision)
