@@ -127,3 +127,33 @@ def accumulate_and_clip(kind, ep_size, strategy="ddp", rows=2, length=8):
     for name, value in reference.state_dict().items():
         failures += differences(f"{name} after the step", full[name], value)
     return failures
+
+
+def estimate_holds(kind, ep_size, rows=2, length=8):
+    """[failures]: tiny_zero.measure.estimate's expert memory a rank holds
+    (expert_state) and all-to-all elements of one step (experts_comm_per_step,
+    the ranks' mean), against what the wrapper holds and comm.stats counts."""
+    from tiny_zero import comm
+    from tiny_zero.experts import ExpertParallel, ExpertParallelAdamW
+    from tiny_zero.measure import estimate
+    module = build(kind)
+    whole = estimate.expert_state(module, 1)
+    tokens = length if kind == "gpt" else length + 1  # loss_of: the GPT's inputs are x[:, :-1], Mixtral's x
+    expected_held = estimate.expert_state(module, ep_size)
+    expected_sent = estimate.experts_comm_per_step(module, rows, tokens)["all_to_all"]
+    model = ExpertParallel(module, ep_size=ep_size)
+    opt = ExpertParallelAdamW(model, lr=1e-3)
+    x = torch.randint(0, 256, (rows, length + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
+    before = comm.stats.elements["all_to_all"]
+    loss_of(model, kind, x).backward()
+    sent = torch.tensor(float(comm.stats.elements["all_to_all"] - before))
+    opt.step()
+    dist.all_reduce(sent)
+    held = 4 * sum(p.numel() for p in model.expert_params()) + 4 * sum(
+        t.numel() for s in opt.expert_adamw.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    held += 4 * sum(p.grad.numel() for p in model.expert_params())
+    failures = [] if held == expected_held else [f"experts held: {held} bytes, estimate {expected_held}"]
+    failures += [] if expected_held * ep_size == whole else [f"not 1/{ep_size} of {whole}: {expected_held}"]
+    mean = sent.item() / dist.get_world_size()
+    failures += [] if mean == expected_sent else [f"all_to_all elements: {mean}, estimate {expected_sent}"]
+    return failures

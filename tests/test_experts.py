@@ -6,7 +6,9 @@ ExpertParallel as torch trains them on one process on the whole batch: the
 logits, the loss with its auxiliary terms, every parameter after AdamW
 steps; also with so few tokens that a rank routes none to some expert,
 with gradient accumulation (no_sync) and a clip of the global norm, and
-at world 4 with experts x 2 replicas, over ddp, zero1 and zero2.
+at world 4 with experts x 2 replicas, over ddp, zero1 and zero2. And
+tiny_zero.measure.estimate's expert memory per rank (1/P of the experts)
+and all-to-all elements per step are what the wrapper holds and sends.
 
 The quick tier runs one world of 2; world 4 is in the slow tier."""
 import sys
@@ -37,6 +39,8 @@ def test_world2():
         ("mixtral top-2 of 8 over zero2", "model_parity", ("mixtral8", 2, 3, "zero2")),
         ("starved", "model_parity", ("mixtral8", 2, 3, "ddp", 1, 2, True)),
         ("no_sync and clip", "accumulate_and_clip", ("gpt", 2)),
+        ("estimate gpt", "estimate_holds", ("gpt", 2)),
+        ("estimate mixtral", "estimate_holds", ("mixtral8", 2)),
         ("refused experts", "refused", ("mixtral3", 2)),
         ("refused size", "refused", ("gpt", 3)),
     ]))
