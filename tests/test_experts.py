@@ -35,6 +35,7 @@ def check(results):
 def test_world2():
     check(run_checks(2, "experts_checks", [
         ("gpt", "model_parity", ("gpt", 2)),
+        ("gpt ep=1 x 2 replicas", "model_parity", ("gpt", 1)),
         ("mixtral top-2 of 4", "model_parity", ("mixtral4", 2)),
         ("mixtral top-2 of 8 over zero2", "model_parity", ("mixtral8", 2, 3, "zero2")),
         ("starved", "model_parity", ("mixtral8", 2, 3, "ddp", 1, 2, True)),
