@@ -157,3 +157,27 @@ def estimate_holds(kind, ep_size, rows=2, length=8):
     mean = sent.item() / dist.get_world_size()
     failures += [] if mean == expected_sent else [f"all_to_all elements: {mean}, estimate {expected_sent}"]
     return failures
+
+
+def state_dict_round_trip(kind):
+    """[failures]: a trained model's state_dict() (and its full_state_dict(),
+    the module's keys) loaded into a fresh wrapper gives the same values; a
+    frozen expert tensor is never stepped."""
+    from tiny_zero.experts import ExpertParallel, ExpertParallelAdamW
+    module = build(kind)
+    frozen = next(name for name, _ in module.named_parameters() if name.endswith(("down_proj", "experts.c_proj")))
+    module.get_parameter(frozen).requires_grad_(False)
+    before = module.get_parameter(frozen).detach().clone()
+    model = ExpertParallel(module)
+    opt = ExpertParallelAdamW(model, lr=1e-2, weight_decay=0.1)
+    x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    loss_of(model, kind, x).backward()
+    opt.step()
+    saved = model.full_state_dict()
+    failures = [] if torch.equal(saved[frozen], before) else [f"{frozen} (frozen) was stepped"]
+    for state in (model.state_dict(), saved):
+        fresh = ExpertParallel(build(kind))
+        fresh.load_state_dict(state)
+        loaded = fresh.full_state_dict()
+        failures += [f"{name} not loaded" for name in saved if not torch.equal(saved[name], loaded[name])]
+    return failures

@@ -41,6 +41,8 @@ def test_world2():
         ("starved", "model_parity", ("mixtral8", 2, 3, "ddp", 1, 2, True)),
         ("no_sync and clip", "accumulate_and_clip", ("gpt", 2)),
         ("estimate gpt", "estimate_holds", ("gpt", 2)),
+        ("state dicts, gpt", "state_dict_round_trip", ("gpt",)),
+        ("state dicts, mixtral", "state_dict_round_trip", ("mixtral4",)),
         ("estimate mixtral", "estimate_holds", ("mixtral8", 2)),
         ("refused experts", "refused", ("mixtral3", 2)),
         ("refused size", "refused", ("gpt", 3)),
@@ -60,3 +62,27 @@ def test_world4():
         ("starved ep=2 x 2", "model_parity", ("mixtral8", 2, 3, "ddp", 1, 2, True)),
         ("no_sync and clip, ep=2 x 2 over zero2", "accumulate_and_clip", ("mixtral4", 2, "zero2")),
     ], timeout=600))
+
+
+def test_the_losses_are_hugging_faces_and_the_examples_on_one_process():
+    """tiny_zero.experts' router and losses, outside a wrapper, against
+    Mixtral's router and load_balancing_loss_func (with a padding mask too)
+    and example/model.py's load-balancing and z losses."""
+    import torch
+    from transformers import MixtralConfig
+    from transformers.models.mixtral import modeling_mixtral as hf
+
+    import example.model as example
+    from tiny_zero.experts import load_balancing_loss, route, router_z_loss
+    g = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(12, 8, generator=g) for _ in range(3))
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    for args in [(logits, 8, 2), (logits, 8, 3), (logits, 8, 2, mask)]:
+        assert torch.allclose(load_balancing_loss(*args), hf.load_balancing_loss_func(*args), rtol=1e-6)
+    assert torch.allclose(load_balancing_loss(logits, 8, 2), example.load_balancing_loss_func(logits, 8, 2))
+    assert torch.allclose(router_z_loss(logits), example.router_z_loss_func(logits))
+    router = hf.MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=2))
+    torch.nn.init.normal_(router.weight, generator=g)
+    h = torch.randn(12, 16, generator=g)
+    got, want = route(router(h)[0], 2), router(h)[1:]
+    assert torch.allclose(got[0], want[0]) and torch.equal(got[1], want[1])

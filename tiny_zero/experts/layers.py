@@ -33,10 +33,12 @@ class LocalExperts:
     data-parallel wrapper never sees these parameters (the expert-parallel
     wrapper averages them over the ranks that hold the same experts)."""
 
-    def __init__(self, names, up, down, act, gated, first):
+    def __init__(self, names, up, down, act, gated, first, count):
         self.names = names  # the module's names of (up, down), as module.state_dict() has them
-        self.up, self.down = nn.Parameter(up), nn.Parameter(down)
+        self.up = nn.Parameter(up.detach()[first:first + count].clone(), requires_grad=up.requires_grad)
+        self.down = nn.Parameter(down.detach()[first:first + count].clone(), requires_grad=down.requires_grad)
         self.act, self.gated, self.first = act, gated, first  # first: the global index of expert 0 here
+        # up, down: the block's tensors of every expert; this rank keeps experts first .. first + count - 1
 
     def params(self):
         return [self.up, self.down]

@@ -75,13 +75,14 @@ class ExpertSplit:
         self.replica_group = next(g for g in replica_groups if g is not None)
         self.moe_layers = layers
         self.expert_averaged = {}  # expert parameter -> the averaged grad it held after the last backward
-        for p in self.expert_params():
+        for p in (p for layer in layers for p in layer.experts.params()):
             p.data = p.data.to(self.device)
             comm.broadcast(p.data, src=self.ep_rank, group=self.replica_group)  # STRATEGY: replicas start equal
         self.loss_modules = {sys.modules[type(block).__module__] for _, block, _ in blocks}
 
     def expert_params(self):
-        return [p for layer in self.moe_layers for p in layer.experts.params()]
+        """This rank's expert tensors that train (a frozen one is never sent or stepped)."""
+        return [p for layer in self.moe_layers for p in layer.experts.params() if p.requires_grad]
 
     def forward(self, *args, **kwargs):
         with self.losses_over_the_world():
@@ -152,6 +153,21 @@ class ExpertSplit:
                 full[prefix + name] = whole.float().cpu()
         return full
 
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """As the data-parallel wrapper's; of each expert tensor, this rank's experts."""
+        rest = dict(state_dict)
+        for layer in self.moe_layers:
+            for name, p in zip(layer.experts.names, layer.experts.params()):
+                key = next((k for k in (name, "module." + name) if k in rest), None)
+                if key is None:
+                    if strict:
+                        raise KeyError(f"load_state_dict: {name} is missing (strict=True)")
+                    continue
+                mine = rest.pop(key)[layer.experts.first:layer.experts.first + p.shape[0]]
+                p.copy_(mine)  # STRATEGY: this rank's experts of the whole tensor
+        return super().load_state_dict(rest, strict, assign)
+
     def pieces_to_save(self):
         raise NotImplementedError("tiny_zero.checkpoint does not save expert-parallel models yet: save "
                                   "model.full_state_dict() (every rank calls it) from rank 0")
@@ -192,9 +208,8 @@ def convert(module, name, block, router_name, ep_rank, ep_size, group):
     count = up.shape[0]
     mine = slice(ep_rank * count // ep_size, (ep_rank + 1) * count // ep_size)  # STRATEGY: this rank's experts
     prefix = f"{name}.experts." if name else "experts."
-    experts = LocalExperts((prefix + up_name, prefix + down_name), up.detach()[mine].clone(),
-                           down.detach()[mine].clone(), block.experts.act_fn, LAYOUTS[(up_name, down_name)],
-                           mine.start)
+    experts = LocalExperts((prefix + up_name, prefix + down_name), up, down, block.experts.act_fn,
+                           LAYOUTS[(up_name, down_name)], mine.start, mine.stop - mine.start)
     layer = ExpertParallelMoE(getattr(block, router_name), router_name, experts, count, block.top_k, group,
                               ep_size, getattr(block, "jitter_noise", 0.0))
     layer.train(block.training)
