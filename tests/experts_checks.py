@@ -100,7 +100,7 @@ def refused(kind, ep_size):
 
 
 def accumulate_and_clip(kind, ep_size, strategy="ddp", rows=2, length=8):
-    """[failures] of two micro-batches (the first under no_sync), a clip
+    """[failures] of three micro-batches (the first under no_sync), a clip
     that clips (the norm, the experts' grads in it) and a step, against
     torch's on the whole batches."""
     from tiny_zero.experts import data_parallel
@@ -112,10 +112,11 @@ def accumulate_and_clip(kind, ep_size, strategy="ddp", rows=2, length=8):
     options = dict(lr=1e-2, eps=1.0, weight_decay=0.1)
     opt, ref_opt = adamw(model, **options), torch.optim.AdamW(reference.parameters(), **options)
     batches = [torch.randint(0, 256, (rows * world, length + 1), generator=torch.Generator().manual_seed(10 + i))
-               for i in range(2)]
+               for i in range(3)]
     with model.no_sync():
         loss_of(model, kind, batches[0][rank * rows:(rank + 1) * rows]).backward()
-    loss_of(model, kind, batches[1][rank * rows:(rank + 1) * rows]).backward()
+    for x in batches[1:]:  # two averaging backwards, no zero_grad between: the averages add up
+        loss_of(model, kind, x[rank * rows:(rank + 1) * rows]).backward()
     for x in batches:
         loss_of(reference, kind, x).backward()
     want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)

@@ -72,12 +72,13 @@ class ExpertSplit:
         super().__init__(module, **options)  # the data-parallel wrapper, over what is not an expert
         self.ep_size, self.ep_rank, self.expert_replicas = ep_size, rank % ep_size, world_size // ep_size
         self.expert_group = expert_group
-        self.replica_group = next(g for g in replica_groups if g is not None)
+        self.expert_replica_group = next(g for g in replica_groups if g is not None)
         self.moe_layers = layers
-        self.expert_averaged = {}  # expert parameter -> the averaged grad it held after the last backward
+        self.averaged_experts = set()  # expert parameters whose p.grad is an average (a backward's, since zero_grad)
+        self.kept_averages = {}  # while a backward adds local grads: expert parameter -> its average before
         for p in (p for layer in layers for p in layer.experts.params()):
             p.data = p.data.to(self.device)
-            comm.broadcast(p.data, src=self.ep_rank, group=self.replica_group)  # STRATEGY: replicas start equal
+            comm.broadcast(p.data, src=self.ep_rank, group=self.expert_replica_group)  # STRATEGY: replicas start equal
         self.loss_modules = {sys.modules[type(block).__module__] for _, block, _ in blocks}
 
     def expert_params(self):
@@ -100,18 +101,29 @@ class ExpertSplit:
             undo.enter_context(router.over_the_world(self.world_size))
             yield
 
+    def before_backward(self):
+        """An expert's averaged grad (no zero_grad since) is set aside: this
+        backward's local grads go into a p.grad of their own, averaged at its
+        end and added to it, as the averages add up in torch DDP. (Autograd
+        reaches the experts after the first layer's backward, which calls
+        this: the loss comes after the last MoE layer.)"""
+        super().before_backward()
+        for p in self.averaged_experts:
+            if p.grad is not None:
+                self.kept_averages[p], p.grad = p.grad, None
+        self.averaged_experts.clear()
+
     @torch.no_grad()
     def after_backward(self):
         super().after_backward()  # the data-parallel strategy's average of the rest
         params = self.expert_params()
-        new = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        new = [g - self.expert_averaged[p] if p in self.expert_averaged else g for p, g in zip(params, new)]
-        flat = torch.cat([g.reshape(-1) for g in new]) / self.world_size
-        comm.all_reduce(flat, group=self.replica_group)  # STRATEGY: the experts' grads, over their replicas
+        local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in local]) / self.world_size
+        comm.all_reduce(flat, group=self.expert_replica_group)  # STRATEGY: the experts' grads, over their replicas
         for p, average in zip(params, flat.split([p.numel() for p in params])):
-            before = self.expert_averaged.get(p)
-            p.grad = average.view_as(p) if before is None else before + average.view_as(p)
-            self.expert_averaged[p] = p.grad.clone()
+            kept = self.kept_averages.pop(p, None)
+            p.grad = average.view_as(p) if kept is None else kept.add_(average.view_as(p))
+        self.averaged_experts.update(params)
 
     # ------------------------------------------------------------ zero_grad, clipping, state dicts (torch's conventions)
 
@@ -122,7 +134,8 @@ class ExpertSplit:
                 p.grad = None
             else:
                 p.grad.zero_()
-        self.expert_averaged.clear()
+        self.averaged_experts.clear()
+        self.kept_averages.clear()
 
     def grad_square_sum(self):
         square_sum = super().grad_square_sum()
@@ -137,8 +150,7 @@ class ExpertSplit:
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for p in self.expert_params():
             if p.grad is not None:
-                p.grad.mul_(coef)
-        self.expert_averaged.clear()  # clipped: a later backward adds to these, averaged anew
+                p.grad.mul_(coef)  # a later backward (no zero_grad) adds to them clipped, as torch's
         return total_norm
 
     @torch.no_grad()
