@@ -86,3 +86,19 @@ def test_the_losses_are_hugging_faces_and_the_examples_on_one_process():
     h = torch.randn(12, 16, generator=g)
     got, want = route(router(h)[0], 2), router(h)[1:]
     assert torch.allclose(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_moe_gpt_is_the_gpt_with_an_moe_every_other_block():
+    """example/model.py's MoEGPT: the GPT's parameters (the same values, by
+    name), a router and 3-D experts in blocks 1, 3, ...; built on meta it
+    allocates nothing."""
+    import torch
+
+    from example.model import build_model
+    moe, gpt = build_model("moe-small"), build_model("small")
+    ours, theirs = dict(moe.named_parameters()), dict(gpt.named_parameters())
+    assert {n for n in theirs if n not in ours} == {f"blocks.{i}.mlp.{name}.{kind}" for i in (1, 3)
+                                                     for name in ("c_fc", "c_proj") for kind in ("weight", "bias")}
+    assert all(torch.equal(p, theirs[n]) for n, p in ours.items() if n in theirs)
+    assert ours["blocks.3.mlp.experts.c_fc"].shape == (8, 512, 128) and "blocks.2.mlp.router.weight" not in ours
+    assert all(p.is_meta for p in build_model("moe-small", device="meta").parameters())

@@ -28,17 +28,18 @@ from .router import route
 
 
 class LocalExperts:
-    """This rank's experts: up (L, up_width, d) and down (L, d, width), where
-    up holds [gate; up] when gated (SwiGLU, Mixtral). Not an nn.Module: the
-    data-parallel wrapper never sees these parameters (the expert-parallel
-    wrapper averages them over the ranks that hold the same experts)."""
+    """This rank's experts, first .. first + count - 1 of the block's: of its
+    3-D tensors up (E, up width, d) and down (E, d, width), where up holds
+    [gate; up] when gated (SwiGLU, Mixtral), this rank keeps those rows. Not
+    an nn.Module: the data-parallel wrapper never sees these parameters (the
+    expert-parallel wrapper averages them over the ranks that hold the same
+    experts)."""
 
     def __init__(self, names, up, down, act, gated, first, count):
         self.names = names  # the module's names of (up, down), as module.state_dict() has them
         self.up = nn.Parameter(up.detach()[first:first + count].clone(), requires_grad=up.requires_grad)
         self.down = nn.Parameter(down.detach()[first:first + count].clone(), requires_grad=down.requires_grad)
-        self.act, self.gated, self.first = act, gated, first  # first: the global index of expert 0 here
-        # up, down: the block's tensors of every expert; this rank keeps experts first .. first + count - 1
+        self.act, self.gated, self.first = act, gated, first
 
     def params(self):
         return [self.up, self.down]
