@@ -163,7 +163,7 @@ def estimate_holds(kind, ep_size, rows=2, length=8):
 def state_dict_round_trip(kind):
     """[failures]: a trained model's state_dict() (and its full_state_dict(),
     the module's keys) loaded into a fresh wrapper gives the same values; a
-    frozen expert tensor is never stepped."""
+    frozen expert tensor is never stepped; tiny_zero.checkpoint.save refuses."""
     from tiny_zero.experts import ExpertParallel, ExpertParallelAdamW
     module = build(kind)
     frozen = next(name for name, _ in module.named_parameters() if name.endswith(("down_proj", "experts.c_proj")))
@@ -176,6 +176,14 @@ def state_dict_round_trip(kind):
     opt.step()
     saved = model.full_state_dict()
     failures = [] if torch.equal(saved[frozen], before) else [f"{frozen} (frozen) was stepped"]
+    import tempfile
+
+    import tiny_zero
+    try:
+        tiny_zero.checkpoint.save(f"{tempfile.gettempdir()}/tiny_zero_experts_refused", model, opt, step=1)
+        failures.append("tiny_zero.checkpoint.save did not refuse an expert-parallel model")
+    except RuntimeError as e:  # the checkpoint's error, the same on every rank
+        failures += [] if "does not save expert-parallel models" in str(e) else [str(e)]
     for state in (model.state_dict(), saved):
         fresh = ExpertParallel(build(kind))
         fresh.load_state_dict(state)

@@ -102,3 +102,13 @@ def test_the_moe_gpt_is_the_gpt_with_an_moe_every_other_block():
     assert all(torch.equal(p, theirs[n]) for n, p in ours.items() if n in theirs)
     assert ours["blocks.3.mlp.experts.c_fc"].shape == (8, 512, 128) and "blocks.2.mlp.router.weight" not in ours
     assert all(p.is_meta for p in build_model("moe-small", device="meta").parameters())
+
+
+def test_data_parallel_names_the_strategies_it_runs_over():
+    from tiny_zero.experts import data_parallel
+    from tiny_zero.zero2 import Zero2
+    wrapper, adamw = data_parallel("zero2")
+    assert issubclass(wrapper, Zero2) and adamw.wrapper is wrapper
+    for strategy in ("zero3", "fsdp", "offload"):
+        with pytest.raises(ValueError, match="ddp, zero1, zero2"):
+            data_parallel(strategy)
