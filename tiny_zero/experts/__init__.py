@@ -1,4 +1,4 @@
-"""Expert parallelism: each sparse MoE block's experts spread over the ranks of an expert group; tokens sent to them by all-to-all."""
+"""Expert parallelism: each MoE block's experts spread over an expert group; tokens sent to them by all-to-all."""
 from .layers import ExpertParallelMoE
 from .router import load_balancing_loss, route, router_z_loss
 from .wrapper import ExpertSplit, data_parallel

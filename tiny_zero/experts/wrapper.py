@@ -28,6 +28,7 @@ batch's mean.
 """
 import sys
 from contextlib import ExitStack, contextmanager
+from functools import cache
 
 import torch
 import torch.nn as nn
@@ -42,6 +43,7 @@ from ..zero2.optim import Zero2AdamW
 from ..zero2.wrapper import Zero2
 from . import router
 from .layers import ExpertParallelMoE, LocalExperts
+from .optim import ExpertSteps
 
 LAYOUTS = {("gate_up_proj", "down_proj"): True, ("c_fc", "c_proj"): False}  # expert tensors (up, down): gated
 ROUTERS = ("gate", "router")
@@ -125,7 +127,7 @@ class ExpertSplit:
             p.grad = average.view_as(p) if kept is None else kept.add_(average.view_as(p))
         self.averaged_experts.update(params)
 
-    # ------------------------------------------------------------ zero_grad, clipping, state dicts (torch's conventions)
+    # ------------------------------------------------------------ zero_grad, clip, state dicts (torch's conventions)
 
     def zero_grad(self, set_to_none=True, params=None):
         super().zero_grad(set_to_none, params)
@@ -193,6 +195,8 @@ def find_moe_blocks(module, ep_size):
         router_name = next((n for n in ROUTERS if isinstance(getattr(block, n, None), nn.Module)), None)
         if router_name is None or not isinstance(experts, nn.Module) or layout(experts) is None:
             continue
+        if not name:
+            raise ValueError(f"{type(module).__name__} is itself an MoE block: wrap the model that holds it")
         count = getattr(experts, layout(experts)[0]).shape[0]
         if count % ep_size:
             raise ValueError(f"{name}: {count} experts do not split over ep_size={ep_size} ranks: give an "
@@ -231,15 +235,16 @@ def convert(module, name, block, router_name, ep_rank, ep_size, group):
     return layer
 
 
+@cache  # one class per strategy: its optimizer takes the wrapper it made
 def data_parallel(strategy):
     """(wrapper, optimizer) classes: expert parallelism over a data-parallel
     strategy of tiny_zero.STRATEGIES ("ddp", "zero1", "zero2")."""
-    from .optim import ExpertSteps
     if strategy not in SUPPORTED:
         raise ValueError(f"expert parallelism runs over {', '.join(SUPPORTED)}, not {strategy!r}")
     wrapper_class, adamw_class = SUPPORTED[strategy]
     wrapper = type(f"Expert{wrapper_class.__name__}", (ExpertSplit, wrapper_class), {"__module__": __name__})
-    adamw = type(f"Expert{adamw_class.__name__}", (ExpertSteps, adamw_class), {"wrapper": wrapper, "__module__": __name__})
+    adamw = type(f"Expert{adamw_class.__name__}", (ExpertSteps, adamw_class),
+                 {"wrapper": wrapper, "__module__": __name__})
     return wrapper, adamw
 
 
