@@ -4,7 +4,8 @@ The example MoE GPT (top-2 of 4 experts, with the load-balancing and z
 losses) and Hugging Face Mixtrals (top-2 of 4 and of 8) train under
 ExpertParallel as torch trains them on one process on the whole batch: the
 logits, the loss with its auxiliary terms, every parameter after AdamW
-steps; also with so few tokens that a rank routes none to some expert,
+steps; with padding (an attention_mask, which the load-balancing loss
+reads); also with so few tokens that a rank routes none to some expert,
 with gradient accumulation (no_sync) and a clip of the global norm, and
 at world 4 with experts x 2 replicas, over ddp, zero1 and zero2. And
 tiny_zero.measure.estimate's expert memory per rank (1/P of the experts)
@@ -37,6 +38,7 @@ def test_world2():
         ("gpt", "model_parity", ("gpt", 2)),
         ("gpt ep=1 x 2 replicas", "model_parity", ("gpt", 1)),
         ("mixtral top-2 of 4", "model_parity", ("mixtral4", 2)),
+        ("mixtral with padding", "model_parity", ("mixtral4 padded", 2)),
         ("mixtral top-2 of 8 over zero2", "model_parity", ("mixtral8", 2, 3, "zero2")),
         ("starved", "model_parity", ("mixtral8", 2, 3, "ddp", 1, 2, True)),
         ("no_sync and clip", "accumulate_and_clip", ("gpt", 2)),
