@@ -97,25 +97,25 @@ class ExpertParallelMoE(nn.Module):
         received = torch.empty_like(counts)
         comm.where = f"{self.path} dispatch"  # what the timeline and a hang's error name
         comm.all_to_all(received, counts, group=self.group)  # STRATEGY: 1, the counts
-        local = self.num_experts // self.group_size
-        sent_sizes = counts.view(self.group_size, local).sum(dim=1).tolist()  # to each rank
-        received = received.view(self.group_size, local)  # [from rank i, to local expert e]
-        received_sizes = received.sum(dim=1).tolist()  # from each rank
+        sizes = torch.stack([counts, received]).view(2, self.group_size, -1)  # [to / from rank i, local expert e]
+        sent, arriving = sizes.tolist()  # the one host read: the split sizes of the next two all-to-alls
+        sent_sizes, received_sizes = [sum(row) for row in sent], [sum(row) for row in arriving]
         rows = AllToAll.apply(h[tokens], received_sizes, sent_sizes, self.group)  # STRATEGY: 2, dispatch
-        outputs = self.compute_experts(rows, received)
+        outputs = self.compute_experts(rows, sizes[1], [sum(column) for column in zip(*arriving)])
         comm.where = f"{self.path} combine"
         back = AllToAll.apply(outputs, sent_sizes, received_sizes, self.group)  # STRATEGY: 3, combine
         weighted = (back * weights.reshape(-1)[order, None]).to(h.dtype)
         return torch.zeros_like(h).index_add(0, tokens, weighted)
 
-    def compute_experts(self, rows, received):
+    def compute_experts(self, rows, received, per_expert):
         """Each local expert on its rows. rows arrive by source rank, then by
-        expert; they are computed by expert, and returned in arrival order."""
+        expert (received[i, e] of them from rank i for expert e); they are
+        computed by expert (per_expert rows each), and returned in arrival order."""
         local = received.shape[1]
         expert_of_row = torch.arange(local, device=rows.device).repeat(self.group_size)
-        expert_of_row = expert_of_row.repeat_interleave(received.reshape(-1))
+        expert_of_row = expert_of_row.repeat_interleave(received.reshape(-1), output_size=len(rows))  # no read
         by_expert = torch.argsort(expert_of_row, stable=True)
-        chunks = rows[by_expert].split(received.sum(dim=0).tolist())
+        chunks = rows[by_expert].split(per_expert)
         outputs = torch.cat([self.experts.compute(e, chunk) for e, chunk in enumerate(chunks)])
         return outputs[torch.argsort(by_expert)]
 
