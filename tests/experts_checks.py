@@ -164,10 +164,30 @@ def estimate_holds(kind, ep_size, rows=2, length=8):
     return failures
 
 
+def resumed_equal(kind, model, opt, x, frozen):
+    """[failures]: a fresh model and optimizer loaded from this rank's
+    state_dicts take the next step as the trained ones do (the experts'
+    AdamW state is in the optimizer's state_dict)."""
+    from tiny_zero.experts import ExpertParallel, ExpertParallelAdamW
+    module = build(kind)
+    module.get_parameter(frozen).requires_grad_(False)
+    fresh = ExpertParallel(module)
+    fresh.load_state_dict(model.state_dict())
+    fresh_opt = ExpertParallelAdamW(fresh, lr=1e-2, weight_decay=0.1)
+    fresh_opt.load_state_dict(opt.state_dict())
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        o.zero_grad()
+        loss_of(m, kind, x).backward()
+        o.step()
+    want, got = model.full_state_dict(), fresh.full_state_dict()
+    return [f"{name} differs after a resumed step" for name in want if not torch.equal(want[name], got[name])]
+
+
 def state_dict_round_trip(kind):
     """[failures]: a trained model's state_dict() (and its full_state_dict(),
     the module's keys) loaded into a fresh wrapper gives the same values; a
-    frozen expert tensor is never stepped; tiny_zero.checkpoint.save refuses."""
+    frozen expert tensor is never stepped; tiny_zero.checkpoint.save refuses;
+    a model and optimizer resumed from their state_dicts step as the trained."""
     from tiny_zero.experts import ExpertParallel, ExpertParallelAdamW
     module = build(kind)
     frozen = next(name for name, _ in module.named_parameters() if name.endswith(("down_proj", "experts.c_proj")))
@@ -193,4 +213,4 @@ def state_dict_round_trip(kind):
         fresh.load_state_dict(state)
         loaded = fresh.full_state_dict()
         failures += [f"{name} not loaded" for name in saved if not torch.equal(saved[name], loaded[name])]
-    return failures
+    return failures + resumed_equal(kind, model, opt, x, frozen)

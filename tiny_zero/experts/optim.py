@@ -1,7 +1,9 @@
 """The optimizer of an expert-parallel model: the data-parallel strategy's
 AdamW for the rest, and an AdamW over this rank's experts, whole (their grads
 are averaged over the ranks holding them at the end of backward, so the
-replicas make the same update). Nothing is sent after the step."""
+replicas make the same update). Nothing is sent after the step. The
+optimizer's state_dict is this rank's, as the strategy's is: the rest's
+state, and under "experts" this rank's experts' AdamW state."""
 from ..optim import AdamW
 
 HPARAMS = ("lr", "betas", "eps", "weight_decay")
@@ -23,3 +25,14 @@ class ExpertSteps:
             group.update({k: first[k] for k in HPARAMS})
         self.expert_adamw.step()  # STRATEGY: this rank's experts, whole
         return loss
+
+    def state_dict(self):
+        return {**super().state_dict(), "experts": self.expert_adamw.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        rest = dict(state_dict)
+        if "experts" not in rest:
+            raise ValueError("this optimizer state has no 'experts' entry: it was not saved by an expert-parallel "
+                             "optimizer, or it was saved without its experts' AdamW state")
+        self.expert_adamw.load_state_dict(rest.pop("experts"))
+        super().load_state_dict(rest)
