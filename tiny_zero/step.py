@@ -62,8 +62,7 @@ from .guards import ForwardedAttributes, parameter_hash, sequence_hash
 from .holding import Holding
 from .hooked import HookedLayer
 from .join import Joining
-from .module import expects_backward, in_backward_pass, recorded
-from .module import layer_classes as module_layer_classes
+from .module import DEFAULT_CLASSES, expects_backward, in_backward_pass, recorded
 from .optimizer import ClipAndScale
 from .precision import LossScaling
 from .state_dicts import WrapperStateDicts
@@ -123,16 +122,24 @@ def place_in_flat_grads(layer, ctx, param, dtype):
     return None if ctx.autocast else layer.wrapper.buckets.fresh_place(param, dtype)
 
 
-def layer_classes(mixin):
-    """A strategy's layers: for each tiny_zero layer, StrategyLayer, then the
-    strategy's mixin, its moments' defaults, then the layer's math:
-    Zero3Linear(StrategyLayer, Zero3Layer, LayerMoments, Linear); under the
-    key HookedLayer, the same moments for every other module that holds
-    parameters (hooked.py): Zero3Hooked(HookedLayer, Zero3Layer, LayerMoments)."""
-    classes = module_layer_classes(StrategyLayer, mixin, LayerMoments, name_from=mixin)
-    prefix = mixin.__name__.removesuffix("Layer")
-    classes[HookedLayer] = type(prefix + "Hooked", (HookedLayer, mixin, LayerMoments), {"__module__": mixin.__module__})
-    return classes
+def layer_classes(*classes):
+    """{kind: class}, what swap_layers() and find_layers take, for a strategy's
+    layer classes, written out in its layers.py: one per tiny_zero layer
+    (Zero3Linear(StrategyLayer, Zero3Layer, LayerMoments, Linear): around the
+    math, StrategyLayer, then the strategy's mixin, then its moments'
+    defaults), and one, under the key HookedLayer, with the same moments for
+    every other module that holds parameters (hooked.py):
+    Zero3Hooked(HookedLayer, Zero3Layer, LayerMoments)."""
+    kind_of = {layer: kind for kind, layer in DEFAULT_CLASSES.items()}
+    out = {}
+    for cls in classes:
+        kinds = [HookedLayer] if issubclass(cls, HookedLayer) else [kind_of[b] for b in cls.__bases__ if b in kind_of]
+        out[kinds[0]] = cls
+    missing = [getattr(k, "__name__", k) for k in [*DEFAULT_CLASSES, HookedLayer] if k not in out]
+    if missing:
+        raise TypeError(f"layer_classes: no class given for {missing}: a strategy writes one class per tiny_zero "
+                        "layer (module/swap.py: DEFAULT_CLASSES) and one for hooked modules")
+    return out
 
 
 class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperStateDicts, ForwardedAttributes, Joining,
@@ -146,7 +153,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
     fp16's scale in precision.py, state dicts in state_dicts.py,
     model.<name> in guards.py."""
 
-    layer_classes = None  # {torch layer class: this strategy's layer class}, from layer_classes(<Name>Layer)
+    layer_classes = None  # {torch layer class: this strategy's layer class}: its layers.py's LAYER_CLASSES
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
     params_whole_between_steps = True  # the module's parameters hold their whole values between steps (False: released, sliced)
     send = None  # the collective of a bucket whose grads are final (zero2, zero3, fsdp, offload)

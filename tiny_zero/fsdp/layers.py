@@ -6,7 +6,9 @@ once, asynchronously (wrapper.py). At world 1 nothing is gathered or sent.
 
 Compare with ../zero3/layers.py: the same moments; only the collectives
 differ, and how a unit is laid out, in wrapper.py."""
-from ..step import layer_classes
+from ..hooked import HookedLayer
+from ..module import Conv1D, Embedding, LayerNorm, Linear, RMSNorm
+from ..step import LayerMoments, StrategyLayer, layer_classes
 
 
 class FSDPLayer:
@@ -26,4 +28,13 @@ class FSDPLayer:
             wrapper.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on
 
 
-LAYER_CLASSES = layer_classes(FSDPLayer)  # FSDPLinear, FSDPLayerNorm, FSDPEmbedding, ...
+# The layers this strategy swaps in (module/layers.py's math, this mixin's moments, step.py's around them),
+# and the same moments for a module reached through hooks (hooked.py):
+class FSDPLinear(StrategyLayer, FSDPLayer, LayerMoments, Linear): pass
+class FSDPLayerNorm(StrategyLayer, FSDPLayer, LayerMoments, LayerNorm): pass
+class FSDPRMSNorm(StrategyLayer, FSDPLayer, LayerMoments, RMSNorm): pass
+class FSDPEmbedding(StrategyLayer, FSDPLayer, LayerMoments, Embedding): pass
+class FSDPConv1D(StrategyLayer, FSDPLayer, LayerMoments, Conv1D): pass
+class FSDPHooked(HookedLayer, FSDPLayer, LayerMoments): pass
+
+LAYER_CLASSES = layer_classes(FSDPLinear, FSDPLayerNorm, FSDPRMSNorm, FSDPEmbedding, FSDPConv1D, FSDPHooked)

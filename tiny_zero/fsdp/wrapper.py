@@ -57,6 +57,7 @@ class FSDP(Gathering, Wrapper):
         self.frozen_local = self.keep_slices([u for u in units if not u.params[0].requires_grad])
         self.buckets = Buckets(trainable[::-1], self.reduce_dtype, self.device,  # the last layer's grads first,
                                average_over=self.world_size)  # STRATEGY: each unit's / N, as it is flattened to be sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         self.shards = self.fp32_shards([self.slices[u] for u in trainable])  # one per unit: each has its own grads
         self.shard_of = dict(zip(trainable, self.shards))
         self.full, self.views = {}, {}  # unit -> its full buffer; [(parameter, its view of it, released)]

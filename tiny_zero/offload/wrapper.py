@@ -170,6 +170,7 @@ class ZeroOffload(HostMemory, HeldInChunks, Wrapper):  # HeldInChunks: grad_attr
         self.keep_whole(self.frozen)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
         self.shards = self.host_masters(chunks)
         self.host_grads = self.host_empty(self.flat_params.numel() // n, self.reduce_dtype).zero_()

@@ -92,6 +92,7 @@ class Pipeline(PointToPoint, Wrapper):
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
                                average_over=self.replicas)  # STRATEGY: each bucket / R, before it is sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         stepped = sum(b.numel for b in self.own_buckets)
         self.shards = self.fp32_shards([self.flat_params[:stepped]])
         self.grads = {self.shards[0]: self.flat_grads[:stepped]}

@@ -33,6 +33,7 @@ class Zero2(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_f
         self.keep_whole(self.frozen)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
         self.shards = self.fp32_shards(chunks)
         self.grad_chunks = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)

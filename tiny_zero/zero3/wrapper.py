@@ -40,6 +40,7 @@ class Zero3(Gathering, Wrapper):
         self.owned = self.keep_owned(self.owned_buckets)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         self.shards = self.fp32_shards([self.owned]) if self.owned.numel() else []
         self.unit_buckets = {unit: [b for b in buckets if unit_of[b.params[0]] == unit] for unit in self.unit_params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
