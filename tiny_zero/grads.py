@@ -64,7 +64,7 @@ class TorchGrads:
             self.buckets.clear(keep_got_grad=not set_to_none)
             if set_to_none:
                 self.showing.clear()
-                self.averaged.clear()
+                self.grads_written.clear()
         else:
             if set_to_none:
                 for i in indices:

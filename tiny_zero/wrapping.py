@@ -77,7 +77,7 @@ class Wrapping:
         self.backwards = 0  # backward passes since the last step
         self.in_backward = False
         self.used = []  # the layers used in forward since the last backward (their indices)
-        self.averaged = set()  # data_ptr()s of the parts of model.grads that hold an average this step
+        self.grads_written = set()  # data_ptr()s of the parts of model.grads that hold an average this step
         self.released_zero = None  # the shared zero of released(), made at its first use
         self.released_views = {}  # parameter -> its released() view of that zero, made once
         # by a trainable parameter's index in self.buckets (set by index_params, below):

@@ -73,6 +73,6 @@ class DDP(Wrapper):
         return pieces
 
     @torch.no_grad()
-    def gather_full(self):
+    def full_values(self):
         return {self.module.get_parameter(piece.name): piece.tensor[piece.offset:piece.offset + piece.hi]
                 .float().view(piece.shape).cpu().clone() for piece in self.pieces()}

@@ -12,20 +12,20 @@ from ..step import LayerMoments, StrategyLayer, layer_classes
 
 
 class FSDPLayer:
-    def before_layer(self, training, backward):
+    def before_layer(self, backward_follows, backward):
         wrapper = self.wrapper
-        if wrapper.gathers:
-            wrapper.unshard(self, training, backward)  # STRATEGY: gather: all-gather the unit
+        if wrapper.releases_params:
+            wrapper.unshard(self, backward_follows, backward)  # STRATEGY: gather: all-gather the unit
 
     def after_layer(self):
         wrapper = self.wrapper
-        if wrapper.gathers:
+        if wrapper.releases_params:
             wrapper.reshard(self)  # STRATEGY: free the units the next layer does not use
 
     def grad_ready(self, param, grad):
         wrapper = self.wrapper
-        for bucket in wrapper.buckets.add(param, grad, send=wrapper.require_grad_sync):  # a unit's trainable part
-            wrapper.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on
+        for unit in wrapper.buckets.add(param, grad, send=wrapper.require_grad_sync):  # a unit's trainable part
+            wrapper.send_bucket(unit)  # STRATEGY: now, async; backward goes on
 
 
 # The layers this strategy swaps in (module/layers.py's math, this mixin's moments, step.py's around them),

@@ -14,7 +14,7 @@ from ..step import LayerMoments, StrategyLayer, layer_classes
 class PipelineLayer:
     def grad_ready(self, param, grad):
         wrapper = self.wrapper
-        for bucket in wrapper.buckets.add(param, grad, send=wrapper.averaging):  # averaging: the last micro-batch's backward
+        for bucket in wrapper.buckets.add(param, grad, send=wrapper.syncs_this_backward):  # the last micro-batch's backward
             wrapper.all_reduce(bucket)  # STRATEGY: now, async; backward goes on
 
 

@@ -182,7 +182,7 @@ class TensorParallel(Wrapper):
         return sliced[self.replica::self.replicas] + whole[self.rank::self.world_size]
 
     @torch.no_grad()
-    def gather_full(self):
+    def full_values(self):
         full = {}
         for name, p in self.named_params:
             tensor, start = self.storage(p)

@@ -24,7 +24,7 @@ from ..step import Wrapper
 from .layers import LAYER_CLASSES
 
 
-class Zero1(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_full of the chunks
+class Zero1(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, full_values of the chunks
     layer_classes = LAYER_CLASSES
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):

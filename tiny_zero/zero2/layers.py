@@ -13,7 +13,7 @@ class Zero2Layer:
     def grad_ready(self, param, grad):
         wrapper = self.wrapper
         for bucket in wrapper.buckets.add(param, grad, send=wrapper.require_grad_sync):
-            wrapper.reduce_scatter(bucket)  # STRATEGY: now, async; backward goes on
+            wrapper.send_bucket(bucket)  # STRATEGY: now, async; backward goes on
 
 
 # The layers this strategy swaps in (module/layers.py's math, this mixin's moments, step.py's around them),

@@ -9,20 +9,20 @@ from ..step import LayerMoments, StrategyLayer, layer_classes
 
 
 class Zero3Layer:
-    def before_layer(self, training, backward):
+    def before_layer(self, backward_follows, backward):
         wrapper = self.wrapper
-        if wrapper.gathers:
-            wrapper.unshard(self, training, backward)  # STRATEGY: gather: broadcast from the owners
+        if wrapper.releases_params:
+            wrapper.unshard(self, backward_follows, backward)  # STRATEGY: gather: broadcast from the owners
 
     def after_layer(self):
         wrapper = self.wrapper
-        if wrapper.gathers:
+        if wrapper.releases_params:
             wrapper.reshard(self)  # STRATEGY: free the units the next layer does not use
 
     def grad_ready(self, param, grad):
         wrapper = self.wrapper
         for bucket in wrapper.buckets.add(param, grad, send=wrapper.require_grad_sync):
-            wrapper.reduce(bucket)  # STRATEGY: to its owner, now, async; backward goes on
+            wrapper.send_bucket(bucket)  # STRATEGY: to its owner, now, async; backward goes on
 
 
 # The layers this strategy swaps in (module/layers.py's math, this mixin's moments, step.py's around them),
