@@ -283,8 +283,8 @@ def test_one_step_reads_in_a_bounded_number_of_lines_and_files():
     """What one steady step of each data-parallel strategy makes a reader
     follow (tests/reading.py), the files a first reader may skip aside."""
     import reading
-    for name, files in reading.measure().items():
-        follow = reading.followed(files)
+    for name, parts in reading.measure().items():
+        follow = reading.followed(parts["step"])
         assert sum(follow.values()) <= MOST_LINES_TO_FOLLOW, (name, follow)
         assert len(follow) <= MOST_FILES_TO_FOLLOW, (name, sorted(follow))
 
