@@ -30,10 +30,15 @@ def gathered_memory(name):
     failures, peak = [], {"forward": 0, "backward": 0}
     with TensorMemory() as memory:
         memory.attach(model, opt)
-        unshard = model.unshard
+        units_to_gather, wait_for, arrived = model.units_to_gather, model.wait_for, {}
 
-        def measured_unshard(layer, backward_follows=False, backward=False):
-            unshard(layer, backward_follows=backward_follows, backward=backward)
+        def noted(layer, backward_follows, backward):
+            arrived.update(layer=layer, backward=backward)
+            return units_to_gather(layer, backward_follows, backward)
+
+        def measured_wait_for(units):  # the end of a layer's gathers (layers.py: before_layer)
+            wait_for(units)
+            layer, backward = arrived["layer"], arrived["backward"]
             held = gathered_bytes(memory, model)
             allowed = sum(unit_bytes(model, u) for u in set(model.units_of[layer]) | set(model.prefetched))
             where = "backward" if backward else "forward"
@@ -41,7 +46,7 @@ def gathered_memory(name):
             if held > allowed:
                 failures.append(f"{name} rank {dist.get_rank()} {where} of {type(layer).__name__}: {held} bytes "
                                 f"gathered, more than its units and the next in flight ({allowed})")
-        model.unshard = measured_unshard
+        model.units_to_gather, model.wait_for = noted, measured_wait_for
         for step in range(3):
             loss = model(x, y)
             failures += nothing_gathered(memory, model, f"{name} step {step} after forward")

@@ -65,12 +65,12 @@ def nothing_stays_gathered(name):
     most = {"layers": 0}
     problems = []
 
-    if name == "fsdp":  # after each unshard: the layer about to compute, and any started ahead
-        unshard, send_bucket = model.unshard, model.send_bucket
+    if name == "fsdp":  # after each layer's gathers: the layer about to compute, and any started ahead
+        wait_for, send_bucket = model.wait_for, model.send_bucket
         sent = []
 
-        def counted_unshard(layer, *args):
-            unshard(layer, *args)
+        def counted_wait_for(units):
+            wait_for(units)
             most["layers"] = max(most["layers"], 1 + len(model.prefetched))
 
         def grads_follow_the_units(unit):
@@ -79,7 +79,7 @@ def nothing_stays_gathered(name):
             held = sum(g.numel() for g in model.grads.values())
             if held != sum(model.slices[u].numel() for u in set(sent)):
                 problems.append(f"after {len(sent)} reduce-scatters model.grads holds {held} elements")
-        model.unshard = counted_unshard
+        model.wait_for = counted_wait_for
         model.send_bucket = grads_follow_the_units  # in backward; at its end
         model.clear_grads = lambda set_to_none, clear=model.clear_grads: (clear(set_to_none), sent.clear())
     for step in range(3):

@@ -1,10 +1,11 @@
 """zero3's and fsdp's units, what is gathered and freed together (find_units:
 a block, by default); the order in which layers run, recorded on the first
 step (GatherOrder): which unit comes next, to gather it ahead, and which the
-next layer still uses; and the gathers and frees that order decides
-(Unsharding: unshard before a layer, reshard after). How a unit is gathered
-(zero3: broadcasts from its owners; fsdp: one all-gather of its slices) is
-the strategy's, in its wrapper.py: gather(unit)."""
+next layer still uses; and the means of the gathers and frees (Unsharding:
+units_to_gather, gather, prefetch, wait_for, unused_next, free), which
+zero3's and fsdp's layers.py call in the order that is their strategy. How a
+unit is gathered (zero3: broadcasts from its owners; fsdp: one all-gather of
+its slices) is the strategy's too, in its wrapper.py: start_gather(unit)."""
 import torch
 
 from .agreements import agree
@@ -46,9 +47,8 @@ class GatherOrder:
         self.last = None  # the layer that arrived last
 
     def arrive(self, layer, expected, backward=False, backward_follows=False):
-        """`layer` is about to run (in its backward if `backward`); `expected`:
-        what it needs was gathered or started ahead; `backward_follows`: a forward
-        that a backward may follow."""
+        """`layer` is about to run (in its backward if `backward`); `expected`: what it
+        needs was gathered or started ahead; `backward_follows`: a backward may follow."""
         in_backward = backward or in_backward_pass()
         if in_backward and self.recording:
             self.stop_recording()
@@ -90,8 +90,7 @@ class GatherOrder:
             self.position = len(self.layers) - 1 - self.layers[::-1].index(layer)
 
     def next_layer(self):
-        """The layer expected after the one that just ran (None: the pass ends).
-        While recording, the guess is the next layer in module order."""
+        """The layer expected after the last one (None: the pass ends; recording: the next in module order)."""
         if self.recording:
             return self.following.get(self.last)
         if self.backward:
@@ -99,8 +98,7 @@ class GatherOrder:
         return self.layers[self.position] if self.position < len(self.layers) else None
 
     def next_unit(self, gathered):
-        """The first unit that the layers expected next need and that is not
-        in `gathered` (None: none, or recording, when nothing is predicted)."""
+        """The first unit not in `gathered` that the layers expected next need (None: none, or recording)."""
         if self.recording:
             return None
         step = -1 if self.backward else 1
@@ -154,11 +152,14 @@ def held_for_pass(groups, units, params_of):
 
 
 class Unsharding:
-    """zero3's and fsdp's gathers and frees, around each layer (layers.py's
-    moments). The strategy sets self.order (a GatherOrder), and per unit
+    """The means of zero3's and fsdp's gathers and frees, which their layers.py
+    calls at its moments, in the order that is the strategy:
+    units_to_gather, gather, prefetch, wait_for before a layer computes; free
+    the unused_next after.
+    The strategy sets self.order (a GatherOrder), and per unit
     self.unit_buffer (its buffer, memory let go while not gathered) and self.views
     ([(parameter, its view of the buffer, its released value)]), and
-    starts a unit's gather with gather(unit) -> (buffer, [its handles])."""
+    starts a unit's gather with start_gather(unit) -> (buffer, [its handles])."""
 
     def __deepcopy__(self, memo):
         raise TypeError(f"copy.deepcopy of a {type(self).__name__}-wrapped model, or of its module (whose layers "
@@ -173,42 +174,44 @@ class Unsharding:
         self.held = list(held)  # gathered from a forward's first layer to its backward's end (held_for_pass)
 
     def forward(self, *args, **kwargs):
-        """held_for_pass: gathered with the forward's first layer (unshard), kept where a backward may follow."""
+        """held_for_pass: gathered with the forward's first layer (units_to_gather), kept where a backward may follow."""
         out = super().forward(*args, **kwargs)
         for unit in [u for u in self.held if u in self.gathered] if not torch.is_grad_enabled() else ():
             self.free(unit)  # no backward follows
         return out
 
-    def unshard(self, layer, backward_follows, backward):
-        """Before a layer computes: its units gathered, the next one's started."""
+    def units_to_gather(self, layer, backward_follows, backward):
+        """The units `layer` needs, not gathered (the order notes it; an unexpected layer: the ranks agree first)."""
         missing = [u for u in self.units_of[layer] if u not in self.gathered]
         if self.held and not backward:  # held_for_pass: with the first layer, after the ranks agree on it
             missing += [u for u in self.held if u not in self.gathered and u not in missing]
         self.order.arrive(layer, all(u in self.prefetched for u in missing), backward, backward_follows)
-        if not missing:
-            return
-        for unit in missing:
-            self.gathered[unit] = self.prefetched.pop(unit, None) or self.start_gather(unit)  # gather (the strategy's: gather)
-        ahead = self.order.next_unit(self.gathered)
-        if ahead is not None and ahead not in self.prefetched:
-            self.prefetched[ahead] = self.start_gather(ahead)  # prefetch the next unit while this one computes
-        for unit in missing:
-            self.settle(unit)
+        return missing
 
-    def settle(self, unit):
-        """A unit's gather waited for; its parameters show the gathered values."""
-        for handle in self.gathered[unit][1]:
-            handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
-        for p, view, _ in self.views[unit]:
-            p.data = view  # the view made once: the parameter shows the gathered values
+    def gather(self, units):
+        """Each unit's gather: the one started ahead, or the strategy's start_gather now."""
+        for unit in units:
+            self.gathered[unit] = self.prefetched.pop(unit, None) or self.start_gather(unit)
 
-    def reshard(self, layer):
-        """After a layer computed: free the units the next layer does not use."""
+    def prefetch(self, unit):
+        """Start a unit's gather ahead of its use (None: none)."""
+        if unit is not None and unit not in self.prefetched:
+            self.prefetched[unit] = self.start_gather(unit)
+
+    def wait_for(self, units):
+        """The units' gathers waited for; their parameters show the gathered values."""
+        for unit in units:
+            for handle in self.gathered[unit][1]:
+                handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
+            for p, view, _ in self.views[unit]:
+                p.data = view  # the view made once: the parameter shows the gathered values
+
+    def unused_next(self):
+        """The gathered units the next layer does not use (hooked modules running now and held ones stay)."""
         keep = self.order.still_needed()
-        if self.running or self.held:  # a hooked module that runs now (hooked.py), held_for_pass: they stay
+        if self.running or self.held:
             keep = [*keep, *self.held, *(u for running in self.running for u in self.units_of[running])]
-        for unit in [u for u in self.gathered if u not in keep]:
-            self.free(unit)  # free behind: the next layer does not use it
+        return [u for u in self.gathered if u not in keep]
 
     def free(self, unit):
         """A unit's gathered values: released, and their memory gone (its gather waited for)."""
@@ -239,8 +242,8 @@ class Unsharding:
             order.walk_back()
         skipped = order.next_layer()
         while skipped is not None and skipped is not layer and layer in order.layers[:order.position - 1]:
-            self.unshard(skipped, backward_follows=False, backward=True)
+            skipped.before_layer(backward_follows=False, backward=True)  # its moments, as if its backward ran
             for bucket in self.buckets.skip(skipped.trained, send=self.require_grad_sync):
                 self.send_bucket(bucket)
-            self.reshard(skipped)
+            skipped.after_layer()
             skipped = order.next_layer()

@@ -1,8 +1,11 @@
-"""ZeRO-3 layers: around each layer's math, in forward and again in backward,
-its unit is broadcast from the owners before (the next unit is already on
-the way) and freed after, but what this rank owns: at the unit's first layer
-and after its last. A grad goes into its owner's bucket; a bucket whose grads
-are final is reduced to its owner at once, asynchronously (wrapper.py)."""
+"""ZeRO-3 layers: the strategy's "when", in time order. Before a layer
+computes, in forward and again in backward: the units it needs are gathered
+(broadcast from their owners), the next unit's gather is started (prefetch),
+and it waits for them. After it: every unit the next layer does not use is
+freed, but what this rank owns. As a grad is ready it goes into its owner's
+bucket; a bucket whose grads are final is reduced to its owner at once,
+asynchronously (wrapper.py). The means (the order, the buffers) are in
+../units.py."""
 from ..hooked import HookedLayer
 from ..module import Conv1D, Embedding, LayerNorm, Linear, RMSNorm
 from ..step import LayerMoments, StrategyLayer, layer_classes
@@ -12,12 +15,16 @@ class Zero3Layer:
     def before_layer(self, backward_follows, backward):
         wrapper = self.wrapper
         if wrapper.releases_params:
-            wrapper.unshard(self, backward_follows, backward)  # STRATEGY: gather: broadcast from the owners
+            units = wrapper.units_to_gather(self, backward_follows, backward)  # those it needs, not gathered (units.py)
+            wrapper.gather(units)  # STRATEGY: gather before use: broadcast from the owners (start_gather)
+            wrapper.prefetch(wrapper.order.next_unit(wrapper.gathered) if units else None)  # STRATEGY: the next unit's
+            wrapper.wait_for(units)  # STRATEGY: the parameters show the gathered values
 
     def after_layer(self):
         wrapper = self.wrapper
         if wrapper.releases_params:
-            wrapper.reshard(self)  # STRATEGY: free the units the next layer does not use
+            for unit in wrapper.unused_next():
+                wrapper.free(unit)  # STRATEGY: free after use: the next layer does not use it
 
     def grad_ready(self, param, grad):
         wrapper = self.wrapper
