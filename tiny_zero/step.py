@@ -24,7 +24,7 @@ One training step, its moments (in the folder) and every collective it sends:
     clip_grad_norm_   the all-reduce of the grads' squared norm, where a rank
                       holds only part of them (optimizer.py)
     opt.step()        optimizer.py: free_gathered (zero3, fsdp: nothing stays
-                      gathered); stepping, the ranks' agreement on the
+                      gathered); stepping (grads.py), the ranks' agreement on the
                       parameters that step; fp16: the all-reduce of the
                       overflow flag; AdamW on model.shards with model.grads,
                       per parameter group; sync_params (zero1, zero2,
@@ -51,14 +51,13 @@ first (agreements.agree) and raise the same error.
 """
 from contextlib import contextmanager
 from itertools import compress
-from operator import is_
 
 import torch
 import torch.nn as nn
 
 from . import agreements, comm
-from .grads import GRAD, TorchGrads
-from .guards import ForwardedAttributes, parameter_hash, sequence_hash
+from .grads import TorchGrads
+from .guards import ForwardedAttributes, sequence_hash
 from .holding import Holding
 from .hooked import HookedLayer
 from .join import Joining
@@ -308,43 +307,3 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
                     p.grad = shown
             self.showing.update(got)
         self.buckets.end_backward()
-
-    def stepping(self, written):
-        """The parameters the optimizer steps now: those whose p.grad is set,
-        as torch.optim (zero_grad(set_to_none=True), or no grad in any backward
-        since, leaves it None). Every rank agrees on them, and on how many
-        parameters were `written` in place (param_writes) since the last step."""
-        self.forget_cleared_grads()
-        self.check_requires_grad()
-        buckets, got, shown = self.buckets, self.buckets.got_grad.marks, self.all_shown()
-        if all(got) and all(map(is_, map(GRAD, buckets.params), shown)):  # the usual, in C: every grad as backward left it
-            stepping = [buckets.params[i] for i in self.trainable_indices]
-        else:
-            stepping = []
-            for i in self.trainable_indices:
-                p = buckets.params[i]
-                grad = p.grad
-                if grad is None:
-                    continue
-                if not got[i]:
-                    self.refuse_foreign_grad(p)
-                if grad is not shown[i]:
-                    self.take_assigned_grad(self.name_of[p], p)
-                stepping.append(p)
-        for p in self.frozen:
-            if p.grad is not None:
-                self.refuse_foreign_grad(p)
-        missing = buckets.missing()  # got a grad on another rank, or none
-        if missing and self.defer_step_agreement:  # the check below waits for the next backward: tell by the values
-            stepping += self.got_elsewhere(missing, stepping, everyone_missed=None)
-            missing = []
-        spread = agreements.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
-                            defer=self.defer_step_agreement,
-                            parameters=parameter_hash(buckets, stepping + missing),
-                            parameters_written_in_place=len(written), grads_missing=agreements.Spread(len(missing)),
-                            grads_missing_named=agreements.Spread(parameter_hash(buckets, missing)))
-        if missing:
-            (fewest, _), (low, high) = spread["grads_missing"], spread["grads_missing_named"]
-            stepping += self.got_elsewhere(missing, stepping, everyone_missed=fewest > 0, all_alike=low == high)
-        self.buckets.expected.clear()  # the next step expects the grads of forwards after this one
-        return stepping
