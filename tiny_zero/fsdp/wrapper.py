@@ -15,7 +15,7 @@ is the whole unit: the parameters are views of it, and nothing is gathered,
 freed or sent.
 Collectives: all_gather of a unit into its buffer before its first layer's
 forward and again before its last layer's backward, the next unit's started
-ahead (unshard); reduce_scatter of each unit's grads during backward, once
+ahead (layers.py: before_layer); reduce_scatter of each unit's grads during backward, once
 they are final. The optimizer steps the slices: nothing is gathered after
 the step.
 FSDPOffload (DeepSpeed's stage 3 with offload_optimizer): the same units,

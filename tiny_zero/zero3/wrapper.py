@@ -10,7 +10,7 @@ gathered ahead). At world 1 a rank owns all: nothing is gathered or sent.
 Collectives: broadcast of a unit's tensors from each owner, all at once (its
 bucket: its tensors of the unit, side by side), before the unit's first layer
 runs forward and again before its last layer's backward, the next unit's
-started ahead (units.py: unshard); reduce of each bucket's grads to its
+started ahead (layers.py: before_layer); reduce of each bucket's grads to its
 owner in backward, as soon as they are final. Owners step their tensors:
 nothing is gathered after.
 """
