@@ -49,7 +49,7 @@ class Zero3(Unsharding, Wrapper):
         for unit in self.unit_params if self.releases_params else ():
             self.make_buffer(unit)
         self.start_gathering(self.units_of, held_for_pass(groups, self.unit_params, self.unit_params.get))
-        self.unfinished = []  # (bucket, its reduce, its average's place, the sum) in flight
+        self.unfinished = []  # (bucket, its reduce, None, the sum) in flight
 
     def keep_owned(self, owned_buckets):
         """Owners keep (or materialise from meta) their tensors, the trainable
@@ -113,18 +113,16 @@ class Zero3(Unsharding, Wrapper):
     def send_bucket(self, bucket):
         """Send a bucket whose grads are final to its owner."""
         owner = self.owner[bucket.params[0]]
-        dest = None  # the owner's place for the average in model.grads; the others keep none
-        if bucket in self.owned_start:
-            start = self.owned_start[bucket]
-            dest = self.grads_for(self.shards[0])[start:start + bucket.numel]
         handle = comm.reduce(bucket.grads, dst=owner, async_op=True) if self.releases_params else None  # STRATEGY: sum
-        self.queue_finish(bucket, handle, dest, bucket.grads)  # at the owner (world 1: the bucket is the sum, here)
+        self.queue_finish(bucket, handle, None, bucket.grads)  # at the owner (world 1: the bucket is the sum, here)
 
     def finish(self, bucket, handle, dest, out):
+        """dest is None: the owner finds its place in model.grads once the sum is there (made at the first finish)."""
         if handle is not None:
             handle.wait()
-        if dest is not None:  # STRATEGY: the owner keeps the average; the others drop the bucket
-            self.add_to_grads(dest, out)
+        if bucket in self.owned_start:  # STRATEGY: the owner keeps the average; the others drop the bucket
+            start = self.owned_start[bucket]
+            self.add_to_grads(self.grads_for(self.shards[0])[start:start + bucket.numel], out)
         bucket.grads = None  # STRATEGY: free the bucket's full grads
 
     after_backward = Wrapper.finish_sends
