@@ -221,8 +221,10 @@ class Run:
         self.model, self.opt, self.sched = model, opt, sched
         self.rank = getattr(model, "rank", 0)
         # the data-parallel replica this rank computes: each takes its own rows (every rank, but
-        # under tensor parallelism, where the ranks of a replica compute one model together)
-        self.replica, self.replicas = getattr(model, "replica", 0), getattr(model, "replicas", 1)
+        # under tensor parallelism, where the ranks of a replica compute one model together, and
+        # under context parallelism, where a context group takes one replica's rows: dp_rank)
+        self.replica = getattr(model, "dp_rank", getattr(model, "replica", 0))
+        self.replicas = getattr(model, "dp_size", getattr(model, "replicas", 1))
         self.device = getattr(model, "device", None) or next(model.parameters()).device
         first = self.resume()
         self.reset_peak()
@@ -499,7 +501,7 @@ class Accounting:
         loss's and ddp's all-reduces), next to tiny_zero.measure.estimate."""
         model, args = self.model, self.args
         per_step = {kind: count / max(self.steps, 1) for kind, count in self.sent.items()}
-        expected = estimate.context_comm_per_step(module, model.method, model.cp_size, model.replicas,
+        expected = estimate.context_comm_per_step(module, model.method, model.cp_size, model.dp_size,
                                                   args.batch_size, args.seq_len)
         sizes = lambda kinds: ", ".join(f"{kind} {count:,.0f}" for kind, count in kinds.items()) or "none"  # noqa: E731
         return [f"communication per training step (tiny_zero.comm, {self.steps} steps; every rank alike)",

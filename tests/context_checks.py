@@ -116,8 +116,8 @@ def model_parity(kind, method, cp_size, steps=3, heads=4, length=16, strategy=No
     failures = []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
-        x = torch.randint(0, 256, (rows * model.replicas, length + (kind != "llama")), generator=g)
-        mine = x[model.replica * rows:(model.replica + 1) * rows]
+        x = torch.randint(0, 256, (rows * model.dp_size, length + (kind != "llama")), generator=g)
+        mine = x[model.dp_rank * rows:(model.dp_rank + 1) * rows]
         if step == 0:
             tokens = mine[:, :length]
             logits = model(tokens) if kind != "llama" else model(input_ids=tokens).logits

@@ -30,18 +30,23 @@ def gathered_memory(name):
     failures, peak = [], {"forward": 0, "backward": 0}
     with TensorMemory() as memory:
         memory.attach(model, opt)
-        unshard = model.unshard
+        units_to_gather, wait_for, arrived = model.units_to_gather, model.wait_for, {}
 
-        def measured_unshard(layer, training=False, backward=False):
-            unshard(layer, training=training, backward=backward)
+        def noted(layer, backward_follows, backward):
+            arrived.update(layer=layer, backward=backward)
+            return units_to_gather(layer, backward_follows, backward)
+
+        def measured_wait_for(units):  # the end of a layer's gathers (layers.py: before_layer)
+            wait_for(units)
+            layer, backward = arrived["layer"], arrived["backward"]
             held = gathered_bytes(memory, model)
-            allowed = sum(unit_bytes(model, u) for u in set(model.units_of[layer]) | set(model.in_flight))
+            allowed = sum(unit_bytes(model, u) for u in set(model.units_of[layer]) | set(model.prefetched))
             where = "backward" if backward else "forward"
             peak[where] = max(peak[where], held)
             if held > allowed:
                 failures.append(f"{name} rank {dist.get_rank()} {where} of {type(layer).__name__}: {held} bytes "
                                 f"gathered, more than its units and the next in flight ({allowed})")
-        model.unshard = measured_unshard
+        model.units_to_gather, model.wait_for = noted, measured_wait_for
         for step in range(3):
             loss = model(x, y)
             failures += nothing_gathered(memory, model, f"{name} step {step} after forward")
@@ -67,7 +72,7 @@ def gathered_bytes(memory, model):
     parameters point at or a gather in flight fills, that TensorMemory counts
     as comm_buffers (a rank's own slice or owned tensor counts as parameters)."""
     category_of, live = memory.categories()
-    tensors = [p for _, p in model.named_params] + list(tensors_in(list(model.in_flight.values())))
+    tensors = [p for _, p in model.named_params] + list(tensors_in(list(model.prefetched.values())))
     keys = {id(t.untyped_storage()) for t in tensors}
     return sum(live[k] for k in keys if category_of.get(k) == "comm_buffers")
 
@@ -145,13 +150,13 @@ def per_unit_gathers(model):
     all-gathers the unit. units: the gathers of a unit, each with a resize
     of its buffer up and one back to nothing."""
     units = gathers = assignments = 0
-    for walk in (model.order.order, model.order.order[::-1]):
+    for walk in (model.order.layers, model.order.layers[::-1]):
         before = ()
         for layer in walk:
             for unit in model.units_of[layer]:
                 if unit not in before:
                     units += 1
-                    gathers += len(model.sends[unit]) if hasattr(model, "sends") else 1
+                    gathers += len(model.broadcasts[unit]) if hasattr(model, "broadcasts") else 1
                     assignments += 2 * len(model.views[unit])
             before = model.units_of[layer]
     return {"units": units, "gathers": gathers, "data": assignments}

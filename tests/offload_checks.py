@@ -30,7 +30,7 @@ def train(model, opt, steps):
 
 
 def state_on_the_host(mixed_precision):
-    """After two steps: the fp32 masters, the moments and the averaged grads
+    """After two steps: the fp32 masters, the AdamW state and the averaged grads
     are host tensors apart from the device's parameters; under bf16/fp16 the
     step also writes a host copy in the parameter dtype; on CUDA whatever a
     copy reads or writes is pinned. What stays on the device is flat_params
@@ -55,7 +55,7 @@ def state_on_the_host(mixed_precision):
     if len(model.working) != (len(model.shards) if low else 0):
         failures.append(f"{where}: {len(model.working)} host copies in the parameter dtype for {len(model.shards)} chunks")
     if len(host) < 4 * len(model.shards):
-        failures.append(f"{where}: the optimizer has no moments for every chunk: the check proves nothing")
+        failures.append(f"{where}: the optimizer has no AdamW state for every chunk: the check proves nothing")
     for what, t, dtype, must_pin in host:
         if t.device.type != "cpu" or t.dtype != dtype or t.untyped_storage().data_ptr() in device_storages:
             failures.append(f"{where}: a {what} is {t.dtype} on {t.device} (or in flat_params), not {dtype} on the host")
@@ -116,7 +116,7 @@ def step_on_every_core():
 
 def fsdp_state_on_the_host(offload_params):
     """FSDPOffload (stage 3 with offload_optimizer; offload_param too if
-    offload_params), after two steps: the fp32 masters, the moments and the
+    offload_params), after two steps: the fp32 masters, the AdamW state and the
     averaged grads of this rank's slices are host tensors, apart from the
     device's slices; with offload_params the slices themselves are host
     memory. What stays on the device is the slices (none with
@@ -140,7 +140,7 @@ def fsdp_state_on_the_host(offload_params):
     host += [("moment", t, torch.float32) for s in opt.state.values() for k, t in s.items() if k != "step"]
     host += [("grad", g, model.reduce_dtype) for g in model.grads.values()]
     if len(host) < 4 * len(model.shards) or not model.shards:
-        failures.append(f"{where}: the optimizer has no moments for every slice: the check proves nothing")
+        failures.append(f"{where}: the optimizer has no AdamW state for every slice: the check proves nothing")
     for what, t, dtype in host:
         apart = offload_params or t.untyped_storage().data_ptr() not in slice_storages
         if t.device.type != "cpu" or t.dtype != dtype or not apart:

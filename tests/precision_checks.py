@@ -68,7 +68,7 @@ def poisoned_step_skips_everywhere(name):
     torch.manual_seed(0)
     model = wrapper_cls(ParityNet(), mixed_precision="fp16", loss_scaler=LossScaler(init_scale=2**8))
     opt = opt_cls(model, lr=1e-2)
-    model.backward(model(*my_batch(0)))  # one clean step first, so masters and moments exist
+    model.backward(model(*my_batch(0)))  # one clean step first, so masters and AdamW state exist
     opt.step()
     opt.zero_grad()
     scales = [opt.loss_scale]
@@ -84,7 +84,7 @@ def poisoned_step_skips_everywhere(name):
         scales.append(opt.loss_scale)
     after = model.full_state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
-    changed += optimizer_state_changes(opt_before, opt.state_dict())  # moments and step counts too
+    changed += optimizer_state_changes(opt_before, opt.state_dict())  # exp_avg, exp_avg_sq and step counts too
     model.backward(model(*my_batch(3)))  # and training goes on
     opt.step()
     moved = [k for k in after if not torch.equal(after[k], model.full_state_dict()[k])]

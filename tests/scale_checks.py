@@ -67,7 +67,7 @@ def local_batch(step, micro, rank, world):
 def in_flight(model):
     """Collectives and buffers that should not outlive a step."""
     found = []
-    gathers = {**getattr(model, "in_flight", {}), **getattr(model, "gathered", {})}  # zero3, fsdp (units.Gathering)
+    gathers = {**getattr(model, "prefetched", {}), **getattr(model, "gathered", {})}  # zero3, fsdp (units.Unsharding)
     if gathers:
         found.append(f"{len(gathers)} gathers still in flight or held")
     temporary = [b for b in model.buckets if model.buckets.flat is None and b.grads is not None]

@@ -65,22 +65,22 @@ def nothing_stays_gathered(name):
     most = {"layers": 0}
     problems = []
 
-    if name == "fsdp":  # after each unshard: the layer about to compute, and any started ahead
-        unshard, reduce_scatter = model.unshard, model.reduce_scatter
+    if name == "fsdp":  # after each layer's gathers: the layer about to compute, and any started ahead
+        wait_for, send_bucket = model.wait_for, model.send_bucket
         sent = []
 
-        def counted_unshard(layer, *args):
-            unshard(layer, *args)
-            most["layers"] = max(most["layers"], 1 + len(model.in_flight))
+        def counted_wait_for(units):
+            wait_for(units)
+            most["layers"] = max(most["layers"], 1 + len(model.prefetched))
 
         def grads_follow_the_units(unit):
             sent.append(unit)
-            reduce_scatter(unit)
+            send_bucket(unit)
             held = sum(g.numel() for g in model.grads.values())
             if held != sum(model.slices[u].numel() for u in set(sent)):
                 problems.append(f"after {len(sent)} reduce-scatters model.grads holds {held} elements")
-        model.unshard = counted_unshard
-        model.reduce_scatter = model.send = grads_follow_the_units  # in backward; at its end
+        model.wait_for = counted_wait_for
+        model.send_bucket = grads_follow_the_units  # in backward; at its end
         model.clear_grads = lambda set_to_none, clear=model.clear_grads: (clear(set_to_none), sent.clear())
     for step in range(3):
         loss = model(x, y)
@@ -96,7 +96,7 @@ def nothing_stays_gathered(name):
 
 def grads_freed_one_send_later(name):
     """zero2, zero3, fsdp, offload send each bucket as its grads are final,
-    and free its full grads when the next send starts (Wrapper.sent): after
+    and free its full grads when the next send starts (Wrapper.queue_finish): after
     every send, of the buckets sent in this backward, at most the one in
     flight still holds its grads; none once backward ends."""
     torch.manual_seed(0)
@@ -104,7 +104,7 @@ def grads_freed_one_send_later(name):
     opt = tiny_zero.STRATEGIES[name][1](model, lr=1e-3)
     x, y = global_batch_tokens()
     sent, problems = [], []
-    finish_after = model.sent
+    finish_after = model.queue_finish
 
     def counted(bucket, *rest):
         finish_after(bucket, *rest)
@@ -112,7 +112,7 @@ def grads_freed_one_send_later(name):
         held = sum(b.grads is not None for b in sent)
         if held > 1:
             problems.append(f"{name}: after {len(sent)} sends {held} sent buckets still hold their grads")
-    model.sent = counted
+    model.queue_finish = counted
     for step in range(2):
         sent.clear()
         model.backward(model(x, y))

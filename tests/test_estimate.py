@@ -89,7 +89,7 @@ def test_breakdown_at_the_peak_and_in_backward(measured, name):
 def test_formula_and_owner_table_for_a_large_model():
     """gpt2-xl on 64 ranks, on the meta device: fsdp and zero1/2 are the
     formula up to padding; zero3's ranks average to it, the most loaded
-    holds more (whole tensors); fp32 moments are 8 bytes, bf16 adds a master."""
+    holds more (whole tensors); fp32 exp_avg and exp_avg_sq are 8 bytes, bf16 adds a master."""
     module = build_model("gpt2-xl", device="meta")
     numel = sum(p.numel() for p in module.parameters())
     for name in STRATEGIES:

@@ -121,6 +121,16 @@ def test_layers_define_the_mixin_and_layer_classes(name):
         assert cls.__name__ == prefix(name) + DEFAULT_CLASSES[torch_class].__name__
         assert cls.__mro__[1:6] == (StrategyLayer, ConversionGuard, mixin, LayerMoments, DEFAULT_CLASSES[torch_class])
     assert CLASSES[name][0].layer_classes is module.LAYER_CLASSES
+    written = {node.name for node in tree(folder(name) / "layers.py").body if isinstance(node, ast.ClassDef)}
+    unwritten = [cls.__name__ for cls in module.LAYER_CLASSES.values() if cls.__name__ not in written]
+    assert not unwritten, f"tiny_zero/{name}/layers.py: {unwritten} not written as a class statement (grep finds none)"
+
+
+def test_no_attribute_assignment_has_side_effects():
+    """No __setattr__ in the package: `self.buckets = ...` only assigns."""
+    found = [str(path.relative_to(ROOT)) for path in PACKAGE.rglob("*.py")
+             if any(isinstance(node, ast.FunctionDef) and node.name == "__setattr__" for node in ast.walk(tree(path)))]
+    assert not found, f"__setattr__ defined in {found}"
 
 
 @pytest.mark.parametrize("name", FOLDERS)
@@ -275,10 +285,10 @@ def test_one_step_reads_in_a_bounded_number_of_lines_and_files():
     follow (tests/reading.py), the files a first reader may skip aside.
     experts' row is ddp's step and the MoE layers' together: not bounded."""
     import reading
-    for name, files in reading.measure().items():
+    for name, parts in reading.measure().items():
         if name not in DATA_PARALLEL:
             continue
-        follow = reading.followed(files)
+        follow = reading.followed(parts["step"])
         assert sum(follow.values()) <= MOST_LINES_TO_FOLLOW, (name, follow)
         assert len(follow) <= MOST_FILES_TO_FOLLOW, (name, sorted(follow))
 

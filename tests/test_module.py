@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tiny_zero.module import (Conv1D, Embedding, LayerNorm, Linear, RMSNorm, hooked_modules, layer_classes, layers,
+from tiny_zero.module import (Conv1D, Embedding, LayerNorm, Linear, RMSNorm, hooked_modules, layers,
                               swap_layers)
 
 SHAPES = {2: (5, 7), 3: (2, 3, 7), 4: (2, 2, 3, 7)}
@@ -292,8 +292,14 @@ def test_converted_twice_keeps_the_original_class():
     subclass is still an instance of its own class."""
     class Mixin:
         pass
+
+    class MixinLinear(Mixin, Linear):
+        pass
+
+    class MixinRMSNorm(Mixin, RMSNorm):
+        pass
     model = swap_layers(nn.Sequential(MyLinear(3, 3), nn.RMSNorm(3)))
-    classes = layer_classes(Mixin)
+    classes = {nn.Linear: MixinLinear, nn.RMSNorm: MixinRMSNorm}
     swap_layers(model, classes)
     assert isinstance(model[0], MyLinear) and isinstance(model[0], classes[nn.Linear])
     assert type(model[1]) is classes[nn.RMSNorm] and isinstance(model[1], RMSNorm)

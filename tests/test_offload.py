@@ -119,7 +119,7 @@ def cuda_check(*args):
 def test_cuda_peak_memory_below_zero2(model):
     """World 1, bf16: offload's peak GPU memory (torch.cuda.max_memory_allocated
     over three steps) is zero2's less the optimizer state and the grad shard
-    (14Ψ: fp32 masters, two moments, bf16 grads), but 1Ψ of slack; after the
+    (14Ψ: fp32 masters, exp_avg, exp_avg_sq, bf16 grads), but 1Ψ of slack; after the
     step the GPU holds zero2's less those 14Ψ (to 16 MiB): the bf16
     parameters (and what both allocate alike, cuBLAS's workspaces)."""
     zero2, offload = cuda_check("memory", model, "zero2"), cuda_check("memory", model, "offload")
@@ -135,7 +135,7 @@ def test_cuda_peak_memory_below_zero2(model):
 def test_cuda_parity_and_host_state():
     """World 1 on CUDA: offload, and stage 3's FSDPOffload with and without
     offload_params, equal torch (nn layers, torch.optim.AdamW on the GPU) at
-    rtol 1e-5 / atol 1e-6 in the parity modes; the masters, the moments and
+    rtol 1e-5 / atol 1e-6 in the parity modes; the masters, the AdamW state and
     the grads are pinned host tensors, only flat_params (FSDPOffload: the
     slices, or nothing with offload_params) on the GPU."""
     failures = cuda_check("parity")

@@ -144,7 +144,7 @@ def test_ranks_beyond_the_gpus_all_run_on_the_cpu(monkeypatch, capfd, local_rank
 @pytest.mark.slow
 def test_gpt2_xl_as_one_of_8_ranks():
     """zero3's partition is balanced to 0.03% at 8 ranks, and the most loaded
-    rank holds 4 B of parameters and 8 B of AdamW moments per element it owns
+    rank holds 4 B of parameters and 8 B of AdamW state (exp_avg, exp_avg_sq) per element it owns
     and nothing else: with its grads, 16Ψ/N times the balance."""
     from example.benchmark.scale import balance, measure
     world = 8

@@ -86,7 +86,7 @@ def held_lines(module, c):
     lines = ["what each rank holds after a step (tiny_zero.measure.estimate.model_state):",
              f"  parameters        {size(held['parameters'])}",
              f"  gradients         {size(held['gradients'])}",
-             f"  optimizer state   {size(held['optimizer_state'])}: moments {size(8 * elements)}, "
+             f"  optimizer state   {size(held['optimizer_state'])}: exp_avg+exp_avg_sq {size(8 * elements)}, "
              f"fp32 masters {size(masters)}",
              f"  total             {size(sum(held.values()))}"]
     if c.strategy == "offload":

@@ -1,14 +1,16 @@
 """torch's conventions for p.grad (a first reader may skip this file):
 what p.grad shows, zero_grad (of all parameters or some), a p.grad set
 to None or assigned by the user, grads that autograd made outside a layer,
-and a grad that came on another rank only. Mixed into Wrapper."""
+and a grad that came on another rank only; at the optimizer step, the
+parameters that step (stepping), which every rank agrees on. Mixed into
+Wrapper."""
 from itertools import repeat
 from operator import attrgetter, is_, is_not
 
 import torch
 
-from . import comm
-from .guards import ShardedGrad
+from . import agreements, comm
+from .guards import ShardedGrad, parameter_hash
 
 GRAD = attrgetter("grad")  # read by map(), over many parameters in C
 
@@ -64,7 +66,7 @@ class TorchGrads:
             self.buckets.clear(keep_got_grad=not set_to_none)
             if set_to_none:
                 self.showing.clear()
-                self.averaged.clear()
+                self.grads_written.clear()
         else:
             if set_to_none:
                 for i in indices:
@@ -185,3 +187,43 @@ class TorchGrads:
     def sharded_grad(self, param):
         """What p.grad shows where the averaged grad is sharded (grad_attr)."""
         return ShardedGrad(param, type(self).__name__)
+
+    def stepping(self, written):
+        """The parameters the optimizer steps now: those whose p.grad is set,
+        as torch.optim (zero_grad(set_to_none=True), or no grad in any backward
+        since, leaves it None). Every rank agrees on them, and on how many
+        parameters were `written` in place (param_writes) since the last step."""
+        self.forget_cleared_grads()
+        self.check_requires_grad()
+        buckets, got, shown = self.buckets, self.buckets.got_grad.marks, self.all_shown()
+        if all(got) and all(map(is_, map(GRAD, buckets.params), shown)):  # the usual, in C: every grad as backward left it
+            stepping = [buckets.params[i] for i in self.trainable_indices]
+        else:
+            stepping = []
+            for i in self.trainable_indices:
+                p = buckets.params[i]
+                grad = p.grad
+                if grad is None:
+                    continue
+                if not got[i]:
+                    self.refuse_foreign_grad(p)
+                if grad is not shown[i]:
+                    self.take_assigned_grad(self.name_of[p], p)
+                stepping.append(p)
+        for p in self.frozen:
+            if p.grad is not None:
+                self.refuse_foreign_grad(p)
+        missing = buckets.missing()  # got a grad on another rank, or none
+        if missing and self.defer_step_agreement:  # the check below waits for the next backward: tell by the values
+            stepping += self.got_elsewhere(missing, stepping, everyone_missed=None)
+            missing = []
+        spread = agreements.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
+                            defer=self.defer_step_agreement,
+                            parameters=parameter_hash(buckets, stepping + missing),
+                            parameters_written_in_place=len(written), grads_missing=agreements.Spread(len(missing)),
+                            grads_missing_named=agreements.Spread(parameter_hash(buckets, missing)))
+        if missing:
+            (fewest, _), (low, high) = spread["grads_missing"], spread["grads_missing_named"]
+            stepping += self.got_elsewhere(missing, stepping, everyone_missed=fewest > 0, all_alike=low == high)
+        self.buckets.expected.clear()  # the next step expects the grads of forwards after this one
+        return stepping

@@ -84,7 +84,7 @@ class Holding:
 
 
 class HeldInChunks:
-    """grad_attr, pieces and gather_full of a strategy whose every rank holds
+    """grad_attr, pieces and full_values of a strategy whose every rank holds
     the N-th chunk of each bucket as model.shards[bucket.index] (zero1, zero2,
     offload): p.grad a ShardedGrad, the pieces and the full values the chunks'."""
 
@@ -94,5 +94,5 @@ class HeldInChunks:
     def pieces(self):
         return self.chunk_pieces()
 
-    def gather_full(self):
-        return self.gather_chunks()
+    def full_values(self):
+        return self.full_values_of_chunks()

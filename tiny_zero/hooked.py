@@ -50,8 +50,8 @@ class ParamUse(torch.autograd.Function):
 class Use:
     """One forward of a hooked module: its parameters' grads still to come."""
 
-    def __init__(self, layer, training):
-        self.layer, self.training, self.pending, self.started = layer, training, 0, False
+    def __init__(self, layer, backward_follows):
+        self.layer, self.backward_follows, self.pending, self.started = layer, backward_follows, 0, False
 
     def output_grad(self, grad):
         """A hook on an output: the backward reached this module."""
@@ -91,12 +91,12 @@ class HookedLayer:
         grads = torch.is_grad_enabled()
         # in a backward pass: a checkpoint's recompute, which must save what the forward saved (ParamUse's
         # outputs, which require grad); its graph is dropped, so no grad comes from it
-        training = grads and not in_backward_pass() and (bool(self.trained) or requires_grad(args, kwargs))
-        if training:
+        backward_follows = grads and not in_backward_pass() and (bool(self.trained) or requires_grad(args, kwargs))
+        if backward_follows:
             wrapper.expect_grads(self, True)
         wrapper.running.append(self)  # its units stay gathered while it runs
-        self.before_layer(training=training, backward=False)  # moment: before a layer computes
-        use = self.use = Use(self, training)
+        self.before_layer(backward_follows=backward_follows, backward=False)  # moment: before a layer computes
+        use = self.use = Use(self, backward_follows)
         values = []
         for i, p in enumerate(self.params):
             if grads and p.requires_grad:
@@ -112,11 +112,11 @@ class HookedLayer:
         wrapper, use = self.wrapper, self.use
         for holder, name, p in self.owned:
             holder._parameters[name] = p
-        if self.whole_pass and use.training:
+        if self.whole_pass and use.backward_follows:
             return output  # stays gathered and running, to the backward's end (backward_done)
         wrapper.running.remove(self)
         self.after_layer()  # moment: after it computed
-        if use.training:  # its backward reads the values too, frozen ones included
+        if use.backward_follows:  # its backward reads the values too, frozen ones included
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(use.output_grad)
@@ -133,7 +133,7 @@ class HookedLayer:
         wrapper.skip_to(self)
         if use.pending:  # until its last grad (frozen: until another layer frees its unit)
             wrapper.running.append(self)
-        self.before_layer(training=False, backward=True)  # moment: before a layer computes, in backward
+        self.before_layer(backward_follows=False, backward=True)  # moment: before a layer computes, in backward
 
     def backward_ended(self, use):
         if self.whole_pass:

@@ -118,7 +118,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
     Params are the module's parameters (before or after wrapping: the same
     objects) or their names. opt.param_groups drive the next step (lr
     schedulers work). Each parameter keeps its own step count, as torch's
-    does: one that has no grad is not stepped. A shard's moments are flat, like
+    does: one that has no grad is not stepped. A shard's AdamW state is flat, like
     the shard; the update runs once per stretch of a shard whose parameters
     share a group and a step count (usually one launch per shard)."""
 
@@ -246,7 +246,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         for shard_index, lo, hi, group, first in runs:
             shard = self.model.shards[shard_index]
             beta1, beta2 = group["betas"]
-            exp_avg, exp_avg_sq = self.moments(shard)
+            exp_avg, exp_avg_sq = self.adam_state(shard)
             out = self.model.working.get(shard)
             step = self.counts[first] if self.device_counts is None else self.device_counts[first]
             adamw_update_(shard[lo:hi], self.model.grads[shard][lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
@@ -284,7 +284,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
             self.group_key = key
         return self.group_index
 
-    def moments(self, shard):
+    def adam_state(self, shard):
         state = self.state[shard]
         if not state:
             state["exp_avg"] = torch.zeros_like(shard)

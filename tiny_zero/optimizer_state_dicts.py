@@ -21,13 +21,13 @@ class OptimizerStateDicts:
         i = self.index_of[id(dict(self.model.named_params)[piece.name])]
         state = self.state.get(piece.tensor, {})
         place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
-        moments = [state[k][place] if k in state else None for k in ("exp_avg", "exp_avg_sq")]
-        return moments[0], moments[1], float(self.count(i))
+        exp_avgs = [state[k][place] if k in state else None for k in ("exp_avg", "exp_avg_sq")]
+        return exp_avgs[0], exp_avgs[1], float(self.count(i))
 
     def load_piece_state(self, piece, exp_avg, exp_avg_sq, step):
         i = self.index_of[id(dict(self.model.named_params)[piece.name])]
         place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
-        m, v = self.moments(piece.tensor)
+        m, v = self.adam_state(piece.tensor)
         m[place], v[place] = exp_avg, exp_avg_sq
         self.set_count(i, step)
 

@@ -1,7 +1,7 @@
 """Mixed precision: parameter dtypes, and the dynamic loss scaler of fp16.
 
 Under mixed precision the model's parameters, activations and gradients are
-bf16 or fp16; the optimizer keeps fp32 master weights and moments for the
+bf16 or fp16; the optimizer keeps fp32 master weights and AdamW state for the
 tensors it steps (tiny_zero.optim.AdamW does this for any low-precision
 parameter). fp16's small range needs loss scaling: the loss is multiplied by
 a large scale before backward so small grads do not flush to zero, and the

@@ -13,7 +13,7 @@ The optimizer's own state dicts are in optimizer_state_dicts.py.
 
 Where this rank's part of each parameter lies (Piece, pieces()), and the
 helpers that find it where every rank holds chunks of buckets (chunk_pieces,
-gather_chunks: zero1, zero2, offload) or whole parameters.
+full_values_of_chunks: zero1, zero2, offload) or whole parameters.
 """
 import functools
 from collections import namedtuple
@@ -41,7 +41,7 @@ class WrapperStateDicts:
         """[Piece]: where this rank's part of each parameter lives."""
         raise NotImplementedError
 
-    def gather_full(self):
+    def full_values(self):
         """{parameter: its full fp32 value, on the CPU}; a collective where
         parameters are sharded."""
         raise NotImplementedError
@@ -57,7 +57,7 @@ class WrapperStateDicts:
         else:
             self.meet_for_state_dict()
             self.adopt_param_writes()
-        full = self.gather_full()
+        full = self.full_values()
         return {k: full[v] if v in full else v.detach().float().cpu().clone()
                 for k, v in self.module.state_dict(prefix=prefix, keep_vars=True).items()}
 
@@ -278,16 +278,16 @@ class WrapperStateDicts:
                   for piece in self.bucket_pieces(bucket, self.rank * shard.numel(), shard.numel(), shard)]
         return chunks + self.whole_pieces(self.frozen)
 
-    def gather_chunks(self):
+    def full_values_of_chunks(self):
         """{parameter: full fp32 value on the CPU} where every rank holds the
         N-th chunk of each bucket as model.shards[bucket.index] (zero1, zero2,
         offload), and frozen parameters whole."""
         full = {p: p.detach().float().cpu().clone() for p in self.frozen}
         for bucket, shard in zip(self.buckets, self.shards):
-            full.update(self.gather_bucket(bucket, shard))  # the fp32 masters, not the low-precision copy
+            full.update(self.full_values_of_bucket(bucket, shard))  # the fp32 masters, not the low-precision copy
         return full
 
-    def gather_bucket(self, bucket, chunk):
+    def full_values_of_bucket(self, bucket, chunk):
         """{parameter: full fp32 value on the CPU} for a bucket of which every
         rank holds a 1/N chunk (fp32): one all_gather."""
         flat = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)

@@ -24,7 +24,7 @@ One training step, its moments (in the folder) and every collective it sends:
     clip_grad_norm_   the all-reduce of the grads' squared norm, where a rank
                       holds only part of them (optimizer.py)
     opt.step()        optimizer.py: free_gathered (zero3, fsdp: nothing stays
-                      gathered); stepping, the ranks' agreement on the
+                      gathered); stepping (grads.py), the ranks' agreement on the
                       parameters that step; fp16: the all-reduce of the
                       overflow flag; AdamW on model.shards with model.grads,
                       per parameter group; sync_params (zero1, zero2,
@@ -51,19 +51,17 @@ first (agreements.agree) and raise the same error.
 """
 from contextlib import contextmanager
 from itertools import compress
-from operator import is_
 
 import torch
 import torch.nn as nn
 
 from . import agreements, comm
-from .grads import GRAD, TorchGrads
-from .guards import ForwardedAttributes, parameter_hash, sequence_hash
+from .grads import TorchGrads
+from .guards import ForwardedAttributes, sequence_hash
 from .holding import Holding
 from .hooked import HookedLayer
 from .join import Joining
-from .module import expects_backward, in_backward_pass, recorded
-from .module import layer_classes as module_layer_classes
+from .module import DEFAULT_CLASSES, expects_backward, in_backward_pass, recorded
 from .optimizer import ClipAndScale
 from .precision import LossScaling
 from .state_dicts import WrapperStateDicts
@@ -79,10 +77,10 @@ class StrategyLayer(ConversionGuard):
 
     def forward_callback(self, ctx, x):
         comm.where = self.where_forward
-        training = expects_backward(ctx)
-        if training:
+        backward_follows = expects_backward(ctx)
+        if backward_follows:
             self.wrapper.expect_grads(self, recorded(ctx))
-        self.before_layer(training=training, backward=False)  # moment: before a layer computes
+        self.before_layer(backward_follows=backward_follows, backward=False)  # moment: before a layer computes
         y = super().forward_callback(ctx, x)  # the layer's math (tiny_zero/module/layers.py)
         self.after_layer()  # moment: after it computed
         return y
@@ -94,7 +92,7 @@ class StrategyLayer(ConversionGuard):
         if not wrapper.in_backward:  # the pass's first layer backward
             wrapper.backward_started()
         wrapper.skip_to(self)
-        self.before_layer(training=False, backward=True)  # moment: before a layer computes, in backward
+        self.before_layer(backward_follows=False, backward=True)  # moment: before a layer computes, in backward
         grad_in = super().backward_callback(ctx, grad_out)  # the math; each parameter's grad: grad_ready(param, grad)
         self.after_layer()  # moment: after it computed
         return grad_in
@@ -109,8 +107,8 @@ class LayerMoments:
         grad_ready     a parameter's grad of this layer is computed (the
                        mixin always fills it in: where the grad goes)"""
 
-    def before_layer(self, training, backward):
-        """training: a backward may follow this forward (False in backward)."""
+    def before_layer(self, backward_follows, backward):
+        """backward_follows: a backward may follow this forward (False in backward itself)."""
 
     def after_layer(self):
         pass
@@ -123,33 +121,41 @@ def place_in_flat_grads(layer, ctx, param, dtype):
     return None if ctx.autocast else layer.wrapper.buckets.fresh_place(param, dtype)
 
 
-def layer_classes(mixin):
-    """A strategy's layers: for each tiny_zero layer, StrategyLayer, then the
-    strategy's mixin, its moments' defaults, then the layer's math:
-    Zero3Linear(StrategyLayer, Zero3Layer, LayerMoments, Linear); under the
-    key HookedLayer, the same moments for every other module that holds
-    parameters (hooked.py): Zero3Hooked(HookedLayer, Zero3Layer, LayerMoments)."""
-    classes = module_layer_classes(StrategyLayer, mixin, LayerMoments, name_from=mixin)
-    prefix = mixin.__name__.removesuffix("Layer")
-    classes[HookedLayer] = type(prefix + "Hooked", (HookedLayer, mixin, LayerMoments), {"__module__": mixin.__module__})
-    return classes
+def layer_classes(*classes):
+    """{kind: class}, what swap_layers() and find_layers take, for a strategy's
+    layer classes, written out in its layers.py: one per tiny_zero layer
+    (Zero3Linear(StrategyLayer, Zero3Layer, LayerMoments, Linear): around the
+    math, StrategyLayer, then the strategy's mixin, then its moments'
+    defaults), and one, under the key HookedLayer, with the same moments for
+    every other module that holds parameters (hooked.py):
+    Zero3Hooked(HookedLayer, Zero3Layer, LayerMoments)."""
+    kind_of = {layer: kind for kind, layer in DEFAULT_CLASSES.items()}
+    out = {}
+    for cls in classes:
+        kinds = [HookedLayer] if issubclass(cls, HookedLayer) else [kind_of[b] for b in cls.__bases__ if b in kind_of]
+        out[kinds[0]] = cls
+    missing = [getattr(k, "__name__", k) for k in [*DEFAULT_CLASSES, HookedLayer] if k not in out]
+    if missing:
+        raise TypeError(f"layer_classes: no class given for {missing}: a strategy writes one class per tiny_zero "
+                        "layer (module/swap.py: DEFAULT_CLASSES) and one for hooked modules")
+    return out
 
 
 class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperStateDicts, ForwardedAttributes, Joining,
               nn.Module):
     """What every strategy's wrapper shares. A strategy sets layer_classes and
     fills in the moments below (and zero_grad's clear_grads, p.grad's
-    grad_attr, the state dicts' pieces and gather_full); the backward's
+    grad_attr, the state dicts' pieces and full_values); the backward's
     bookkeeping, no_sync, model.grads and the step's agreement are here.
     Apart: the wrap-time setup in wrapping.py, p.grad's conventions in
     grads.py, what a rank holds in holding.py, the clip in optimizer.py,
     fp16's scale in precision.py, state dicts in state_dicts.py,
     model.<name> in guards.py."""
 
-    layer_classes = None  # {torch layer class: this strategy's layer class}, from layer_classes(<Name>Layer)
+    layer_classes = None  # {torch layer class: this strategy's layer class}: its layers.py's LAYER_CLASSES
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
     params_whole_between_steps = True  # the module's parameters hold their whole values between steps (False: released, sliced)
-    send = None  # the collective of a bucket whose grads are final (zero2, zero3, fsdp, offload)
+    send_bucket = None  # the collective of a bucket whose grads are final (zero2, zero3, fsdp, offload)
     # True: nothing is sent from a step to the next backward (ddp): the step's
     # agreement goes out with that backward's, one round trip for both
     defer_step_agreement = False
@@ -169,39 +175,39 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
 
     # ------------------------------------------------------------ helpers for strategies
 
-    def sent(self, *in_flight):
-        """A bucket's collective was just started (in_flight: the strategy's
-        finish's arguments): finish the one started before it, which ran while
-        this bucket's grads were computed. At most two are in flight."""
-        self.sending.append(in_flight)
-        if len(self.sending) > 1:
-            self.finish(*self.sending.pop(0))
+    def queue_finish(self, bucket, handle, dest, out):
+        """A bucket's collective just started (handle None: nothing sent; its sum
+        arrives in out, for dest in model.grads, None: kept elsewhere). Finish the
+        one started before it, which ran while this bucket's grads were computed."""
+        self.unfinished.append((bucket, handle, dest, out))
+        if len(self.unfinished) > 1:
+            self.finish(*self.unfinished.pop(0))
 
     @torch.no_grad()
-    def send_the_rest(self):
+    def finish_sends(self):
         """after_backward, where backward sends each bucket as its grads are
         final: send what it did not (parameters used no more), finish all."""
         for bucket in self.buckets.unsent():
-            self.send(bucket)
-        while self.sending:
-            self.finish(*self.sending.pop(0))
+            self.send_bucket(bucket)
+        while self.unfinished:
+            self.finish(*self.unfinished.pop(0))
 
     # model.grads, where a strategy's finish puts the averages (zero2, zero3, fsdp)
 
     def reduce_target(self, dest):
         """Where a collective writes dest's sum: dest if it holds nothing this step, else a new buffer."""
-        return dest if dest.data_ptr() not in self.averaged else torch.empty_like(dest)
+        return dest if dest.data_ptr() not in self.grads_written else torch.empty_like(dest)
 
-    def average_into(self, dest, average):
+    def add_to_grads(self, dest, average):
         """dest = average the first time in a step, dest += average after (the
         averages add up over backward passes, as p.grad does; reduce_target)."""
-        if dest.data_ptr() in self.averaged:
+        if dest.data_ptr() in self.grads_written:
             dest.add_(average)
         elif average is not dest:
             dest.copy_(average)
-        self.averaged.add(dest.data_ptr())
+        self.grads_written.add(dest.data_ptr())
 
-    def averaged_grads(self, shard):
+    def grads_for(self, shard):
         """model.grads[shard] of a strategy that makes them as grads come
         (zero3, fsdp): made at a step's first send, freed by zero_grad (drop_grads)."""
         if shard not in self.grads:
@@ -220,10 +226,10 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
         """Leave nothing gathered or in flight that a later use could mistake
         for current values: called at the end of every backward pass and
         before every step. Nothing to do unless a strategy gathers ahead
-        (zero3 and fsdp: units.Gathering)."""
+        (zero3 and fsdp: units.Unsharding)."""
 
     def skip_to(self, layer):
-        """zero3, fsdp (units.Gathering): catch up with layers whose backward did not run on this rank."""
+        """zero3, fsdp (units.Unsharding): catch up with layers whose backward did not run on this rank."""
 
     # ------------------------------------------------------------ one step's bookkeeping
 
@@ -272,7 +278,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
                    step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
                    layers_used_in_forward=sequence_hash(self.used))
         self.in_backward = True
-        self.averaging = self.require_grad_sync
+        self.syncs_this_backward = self.require_grad_sync
         self.used.clear()
         self.backwards += 1
         torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)  # at the pass's end
@@ -293,7 +299,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
         self.buckets.add_held()  # through their hooks
         self.free_gathered()
         self.refuse_grads_from_autograd()  # before the collectives: every rank raises alike
-        if self.averaging:
+        if self.syncs_this_backward:
             self.after_backward()  # moment: the strategy waits, and averages into model.grads
             got = self.buckets.got_grad
             for p, shown in compress(zip(self.buckets.params, self.all_shown()), got.marks):
@@ -301,43 +307,3 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
                     p.grad = shown
             self.showing.update(got)
         self.buckets.end_backward()
-
-    def stepping(self, written):
-        """The parameters the optimizer steps now: those whose p.grad is set,
-        as torch.optim (zero_grad(set_to_none=True), or no grad in any backward
-        since, leaves it None). Every rank agrees on them, and on how many
-        parameters were `written` in place (param_writes) since the last step."""
-        self.forget_cleared_grads()
-        self.check_requires_grad()
-        buckets, got, shown = self.buckets, self.buckets.got_grad.marks, self.all_shown()
-        if all(got) and all(map(is_, map(GRAD, buckets.params), shown)):  # the usual, in C: every grad as backward left it
-            stepping = [buckets.params[i] for i in self.trainable_indices]
-        else:
-            stepping = []
-            for i in self.trainable_indices:
-                p = buckets.params[i]
-                grad = p.grad
-                if grad is None:
-                    continue
-                if not got[i]:
-                    self.refuse_foreign_grad(p)
-                if grad is not shown[i]:
-                    self.take_assigned_grad(self.name_of[p], p)
-                stepping.append(p)
-        for p in self.frozen:
-            if p.grad is not None:
-                self.refuse_foreign_grad(p)
-        missing = buckets.missing()  # got a grad on another rank, or none
-        if missing and self.defer_step_agreement:  # the check below waits for the next backward: tell by the values
-            stepping += self.got_elsewhere(missing, stepping, everyone_missed=None)
-            missing = []
-        spread = agreements.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
-                            defer=self.defer_step_agreement,
-                            parameters=parameter_hash(buckets, stepping + missing),
-                            parameters_written_in_place=len(written), grads_missing=agreements.Spread(len(missing)),
-                            grads_missing_named=agreements.Spread(parameter_hash(buckets, missing)))
-        if missing:
-            (fewest, _), (low, high) = spread["grads_missing"], spread["grads_missing_named"]
-            stepping += self.got_elsewhere(missing, stepping, everyone_missed=fewest > 0, all_alike=low == high)
-        self.buckets.expected.clear()  # the next step expects the grads of forwards after this one
-        return stepping

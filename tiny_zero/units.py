@@ -1,10 +1,11 @@
-"""zero3's and fsdp's units, what is gathered and freed together (gather_units:
+"""zero3's and fsdp's units, what is gathered and freed together (find_units:
 a block, by default); the order in which layers run, recorded on the first
 step (GatherOrder): which unit comes next, to gather it ahead, and which the
-next layer still uses; and the gathers and frees that order decides
-(Gathering: unshard before a layer, reshard after). How a unit is gathered
-(zero3: broadcasts from its owners; fsdp: one all-gather of its slices) is
-the strategy's, in its wrapper.py: gather(unit)."""
+next layer still uses; and the means of the gathers and frees (Unsharding:
+units_to_gather, gather, prefetch, wait_for, unused_next, free), which
+zero3's and fsdp's layers.py call in the order that is their strategy. How a
+unit is gathered (zero3: broadcasts from its owners; fsdp: one all-gather of
+its slices) is the strategy's too, in its wrapper.py: start_gather(unit)."""
 import torch
 
 from .agreements import agree
@@ -39,16 +40,15 @@ class GatherOrder:
     def __init__(self, units_of):
         self.units_of = units_of  # in module order
         self.following = dict(zip(units_of, list(units_of)[1:]))  # the next layer in module order
-        self.order = []
+        self.layers = []  # the layers in the order they ran forward, recorded on the first step
         self.recording = True
         self.backward = False  # walking the order backwards: in a backward pass, recomputes included
         self.position = 0  # forward: layers done; backward: layers left (0 <= position <= len(order))
         self.last = None  # the layer that arrived last
 
-    def arrive(self, layer, expected, backward=False, training=False):
-        """`layer` is about to run (in its backward if `backward`); `expected`:
-        what it needs was gathered or started ahead; `training`: a forward
-        that a backward may follow."""
+    def arrive(self, layer, expected, backward=False, backward_follows=False):
+        """`layer` is about to run (in its backward if `backward`); `expected`: what it
+        needs was gathered or started ahead; `backward_follows`: a backward may follow."""
         in_backward = backward or in_backward_pass()
         if in_backward and self.recording:
             self.stop_recording()
@@ -56,8 +56,8 @@ class GatherOrder:
             agree(f"the layer to gather in {'backward' if backward else 'forward'}", layer=layer.index)
         self.last = layer
         if self.recording:
-            if training:  # only a forward that backward will follow sets the order
-                self.order.append(layer)
+            if backward_follows:  # only a forward that backward will follow sets the order
+                self.layers.append(layer)
             return
         self.backward = in_backward
         if backward:
@@ -68,7 +68,7 @@ class GatherOrder:
     def stop_recording(self):
         """The first backward ends the recording; it walks back from the end."""
         self.recording = False
-        self.position = len(self.order)
+        self.position = len(self.layers)
 
     def walk_back(self):
         """A backward pass begins (its first layer's backward is about to
@@ -78,35 +78,33 @@ class GatherOrder:
         self.backward = True
 
     def step_forward(self, layer):
-        if self.position < len(self.order) and self.order[self.position] is layer:
+        if self.position < len(self.layers) and self.layers[self.position] is layer:
             self.position += 1
-        elif layer in self.order:
-            self.position = self.order.index(layer) + 1
+        elif layer in self.layers:
+            self.position = self.layers.index(layer) + 1
 
     def step_back(self, layer):
-        if self.position > 0 and self.order[self.position - 1] is layer:
+        if self.position > 0 and self.layers[self.position - 1] is layer:
             self.position -= 1
-        elif layer in self.order:
-            self.position = len(self.order) - 1 - self.order[::-1].index(layer)
+        elif layer in self.layers:
+            self.position = len(self.layers) - 1 - self.layers[::-1].index(layer)
 
     def next_layer(self):
-        """The layer expected after the one that just ran (None: the pass ends).
-        While recording, the guess is the next layer in module order."""
+        """The layer expected after the last one (None: the pass ends; recording: the next in module order)."""
         if self.recording:
             return self.following.get(self.last)
         if self.backward:
-            return self.order[self.position - 1] if self.position > 0 else None
-        return self.order[self.position] if self.position < len(self.order) else None
+            return self.layers[self.position - 1] if self.position > 0 else None
+        return self.layers[self.position] if self.position < len(self.layers) else None
 
     def next_unit(self, gathered):
-        """The first unit that the layers expected next need and that is not
-        in `gathered` (None: none, or recording, when nothing is predicted)."""
+        """The first unit not in `gathered` that the layers expected next need (None: none, or recording)."""
         if self.recording:
             return None
         step = -1 if self.backward else 1
         i = self.position - 1 if self.backward else self.position
-        while 0 <= i < len(self.order):
-            for unit in self.units_of[self.order[i]]:
+        while 0 <= i < len(self.layers):
+            for unit in self.units_of[self.layers[i]]:
                 if unit not in gathered:
                     return unit
             i += step
@@ -118,7 +116,7 @@ class GatherOrder:
         return self.units_of[layer] if layer is not None else ()
 
 
-def gather_units(module, layers, units):
+def find_units(module, layers, units):
     """[(module, [its layers])]: what each gather brings. `units`: module classes
     or names (a module's path, or its class name); None: the model's repeated
     blocks, found as the children of a ModuleList that are all of one class.
@@ -145,7 +143,7 @@ def gather_units(module, layers, units):
 def held_for_pass(groups, units, params_of):
     """The units gathered from a forward's first layer to its backward's end, as
     FSDP2 keeps its root's parameters: those of frozen parameters outside
-    every block (`groups`, gather_units'). Code outside their layer may read
+    every block (`groups`, find_units'). Code outside their layer may read
     them (DeBERTa's relative embeddings, Whisper's encoder positions) where no
     gather is, and no grad of theirs would tell (a trainable one read so
     raises: TorchGrads.refuse_grads_from_autograd)."""
@@ -153,12 +151,15 @@ def held_for_pass(groups, units, params_of):
     return [u for u in units if all(id(p) in outside and not p.requires_grad for p in params_of(u))]
 
 
-class Gathering:
-    """zero3's and fsdp's gathers and frees, around each layer (layers.py's
-    moments). The strategy sets self.order (a GatherOrder), and per unit
-    self.full (its buffer, memory let go while not gathered) and self.views
+class Unsharding:
+    """The means of zero3's and fsdp's gathers and frees, which their layers.py
+    calls at its moments, in the order that is the strategy:
+    units_to_gather, gather, prefetch, wait_for before a layer computes; free
+    the unused_next after.
+    The strategy sets self.order (a GatherOrder), and per unit
+    self.unit_buffer (its buffer, memory let go while not gathered) and self.views
     ([(parameter, its view of the buffer, its released value)]), and
-    starts a unit's gather with gather(unit) -> (buffer, [its handles])."""
+    starts a unit's gather with start_gather(unit) -> (buffer, [its handles])."""
 
     def __deepcopy__(self, memo):
         raise TypeError(f"copy.deepcopy of a {type(self).__name__}-wrapped model, or of its module (whose layers "
@@ -169,58 +170,60 @@ class Gathering:
     def start_gathering(self, units_of, held=()):
         self.order = GatherOrder(units_of)
         self.gathered = {}  # unit -> (its buffer, [its gather's handles]), while its layers use it
-        self.in_flight = {}  # unit -> the same, a gather started ahead of use
+        self.prefetched = {}  # unit -> the same, a gather started ahead of use
         self.held = list(held)  # gathered from a forward's first layer to its backward's end (held_for_pass)
 
     def forward(self, *args, **kwargs):
-        """held_for_pass: gathered with the forward's first layer (unshard), kept where a backward may follow."""
+        """held_for_pass: gathered with the forward's first layer (units_to_gather), kept where a backward may follow."""
         out = super().forward(*args, **kwargs)
         for unit in [u for u in self.held if u in self.gathered] if not torch.is_grad_enabled() else ():
             self.free(unit)  # no backward follows
         return out
 
-    def unshard(self, layer, training, backward):
-        """Before a layer computes: its units gathered, the next one's started."""
+    def units_to_gather(self, layer, backward_follows, backward):
+        """The units `layer` needs, not gathered (the order notes it; an unexpected layer: the ranks agree first)."""
         missing = [u for u in self.units_of[layer] if u not in self.gathered]
         if self.held and not backward:  # held_for_pass: with the first layer, after the ranks agree on it
             missing += [u for u in self.held if u not in self.gathered and u not in missing]
-        self.order.arrive(layer, all(u in self.in_flight for u in missing), backward, training)
-        if not missing:
-            return
-        for unit in missing:
-            self.gathered[unit] = self.in_flight.pop(unit, None) or self.gather(unit)  # gather (the strategy's: gather)
-        ahead = self.order.next_unit(self.gathered)
-        if ahead is not None and ahead not in self.in_flight:
-            self.in_flight[ahead] = self.gather(ahead)  # prefetch the next unit while this one computes
-        for unit in missing:
-            self.settle(unit)
+        self.order.arrive(layer, all(u in self.prefetched for u in missing), backward, backward_follows)
+        return missing
 
-    def settle(self, unit):
-        """A unit's gather waited for; its parameters show the gathered values."""
-        for handle in self.gathered[unit][1]:
-            handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
-        for p, full, _ in self.views[unit]:
-            p.data = full  # the view made once: the parameter shows the gathered values
+    def gather(self, units):
+        """Each unit's gather: the one started ahead, or the strategy's start_gather now."""
+        for unit in units:
+            self.gathered[unit] = self.prefetched.pop(unit, None) or self.start_gather(unit)
 
-    def reshard(self, layer):
-        """After a layer computed: free the units the next layer does not use."""
+    def prefetch(self, unit):
+        """Start a unit's gather ahead of its use (None: none)."""
+        if unit is not None and unit not in self.prefetched:
+            self.prefetched[unit] = self.start_gather(unit)
+
+    def wait_for(self, units):
+        """The units' gathers waited for; their parameters show the gathered values."""
+        for unit in units:
+            for handle in self.gathered[unit][1]:
+                handle.wait()  # before anything reads the buffer (on CUDA: the stream waits)
+            for p, view, _ in self.views[unit]:
+                p.data = view  # the view made once: the parameter shows the gathered values
+
+    def unused_next(self):
+        """The gathered units the next layer does not use (hooked modules running now and held ones stay)."""
         keep = self.order.still_needed()
-        if self.running or self.held:  # a hooked module that runs now (hooked.py), held_for_pass: they stay
+        if self.running or self.held:
             keep = [*keep, *self.held, *(u for running in self.running for u in self.units_of[running])]
-        for unit in [u for u in self.gathered if u not in keep]:
-            self.free(unit)  # free behind: the next layer does not use it
+        return [u for u in self.gathered if u not in keep]
 
     def free(self, unit):
         """A unit's gathered values: released, and their memory gone (its gather waited for)."""
         del self.gathered[unit]
         for p, _, released in self.views[unit]:
             p.data = released  # reading a freed buffer would read memory that is gone
-        self.full[unit].untyped_storage().resize_(0)  # the memory goes
+        self.unit_buffer[unit].untyped_storage().resize_(0)  # the memory goes
 
     def free_gathered(self):
         """Nothing gathered or in flight outlives a pass (stale after a step)."""
-        self.gathered.update(self.in_flight)  # gathered ahead, unused: waited for (it may write), then freed
-        self.in_flight.clear()
+        self.gathered.update(self.prefetched)  # gathered ahead, unused: waited for (it may write), then freed
+        self.prefetched.clear()
         for unit in list(self.gathered):
             for handle in self.gathered[unit][1]:
                 handle.wait()
@@ -233,14 +236,14 @@ class Gathering:
         it ran: gather, free, and send their buckets once their uses are
         counted done (with zeros where no grad came)."""
         order = self.order
-        if not self.gathers:
+        if not self.releases_params:
             return
         if not order.backward:  # the pass's first layer backward: the layers run last may be skipped too
             order.walk_back()
         skipped = order.next_layer()
-        while skipped is not None and skipped is not layer and layer in order.order[:order.position - 1]:
-            self.unshard(skipped, training=False, backward=True)
+        while skipped is not None and skipped is not layer and layer in order.layers[:order.position - 1]:
+            skipped.before_layer(backward_follows=False, backward=True)  # its moments, as if its backward ran
             for bucket in self.buckets.skip(skipped.trained, send=self.require_grad_sync):
-                self.send(bucket)
-            self.reshard(skipped)
+                self.send_bucket(bucket)
+            skipped.after_layer()
             skipped = order.next_layer()

@@ -54,7 +54,7 @@ class Wrapping:
             layer.path, layer.index = path, index
             layer.where_forward, layer.where_backward = f"{path} forward", f"{path} backward"  # comm.where's
             layer.trained = [p for p in layer.parameters(recurse=False) if p.requires_grad]  # read once, as below
-            layer.param_indices = []  # their indices in self.buckets, set with it
+            layer.param_indices = []  # their indices in self.buckets: index_params
         self.strategy_layers = [layer for _, layer in layers]  # both ways to the moments, in module order
         self.running = []  # hooked modules running now, whose units stay gathered (hooked.py)
         self.module = module
@@ -77,10 +77,10 @@ class Wrapping:
         self.backwards = 0  # backward passes since the last step
         self.in_backward = False
         self.used = []  # the layers used in forward since the last backward (their indices)
-        self.averaged = set()  # data_ptr()s of the parts of model.grads that hold an average this step
+        self.grads_written = set()  # data_ptr()s of the parts of model.grads that hold an average this step
         self.released_zero = None  # the shared zero of released(), made at its first use
         self.released_views = {}  # parameter -> its released() view of that zero, made once
-        # by a trainable parameter's index in self.buckets (set with it, below):
+        # by a trainable parameter's index in self.buckets (set by index_params, below):
         self.shown = []  # index -> what its p.grad shows (grad_attr), made once (None: not yet)
         self.shown_whole = False  # some p.grad is a view of model.grads (all_shown)
         self.showing = None  # ParamSet: the parameters whose p.grad backward_done set, until zero_grad
@@ -101,13 +101,8 @@ class Wrapping:
                                                                                      whole_pass=m is module)))
         return layers
 
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        if name == "buckets" and value is not None:
-            self.index_params(value)
-
     def index_params(self, buckets):
-        """When the strategy sets self.buckets (once, having cut them): every
+        """Called by the strategy once it has cut self.buckets: every
         trainable parameter's index is its place in them (Buckets.index), what
         each layer keeps of its own (layer.param_indices), and where the step's
         per-parameter state lives. From here on a step looks no parameter up

@@ -85,7 +85,7 @@ def _write_shard(saving, model, opt):
              **{kind: {} for kind in KINDS}, "step": {}, "checksums": {}}
     for piece in progress(pieces, "saving checkpoint"):
         key, n = (piece.name, piece.lo, piece.hi), piece.hi - piece.lo
-        exp_avg, exp_avg_sq, step = opt.piece_state(piece)  # no moments before the first step
+        exp_avg, exp_avg_sq, step = opt.piece_state(piece)  # no AdamW state before the first step
         values = {"param": piece.tensor[piece.offset:piece.offset + n], "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         for kind in KINDS:
             if values[kind] is not None:  # a copy of exactly n elements: torch.save writes a view's whole storage

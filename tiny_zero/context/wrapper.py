@@ -66,8 +66,10 @@ class ContextSplit:
         super().__init__(module, **options)  # the data-parallel wrapper's: grads averaged over the world
         self.method, self.cp_size, self.cp_rank = method, cp_size, rank % cp_size
         self.attention, self.positions_of, self.chunks_per_rank = METHODS[method]
-        self.replica, self.replicas = rank // cp_size, world_size // cp_size  # the data-parallel ones: rows of a batch
-        groups = [agreements.new_group(range(r * cp_size, (r + 1) * cp_size)) for r in range(self.replicas)]
+        # which rows of a batch this rank's context group takes, of how many (replica, in the wrapper
+        # underneath, keeps its meaning: this rank among those that hold the same parameters, the world)
+        self.dp_rank, self.dp_size = rank // cp_size, world_size // cp_size
+        groups = [agreements.new_group(range(r * cp_size, (r + 1) * cp_size)) for r in range(self.dp_size)]
         self.context_group = next(g for g in groups if g is not None)
 
     def forward(self, *args, **kwargs):
@@ -148,15 +150,6 @@ class ContextSplit:
         comm.all_reduce(total, group=self.context_group)  # STRATEGY: the whole sequence's loss, on every rank
         part = loss * (share * self.cp_size)
         return part + (total.to(loss.dtype) - part.detach())
-
-    def pieces_to_save(self):
-        """The data-parallel wrapper shards and replicates over the world, not
-        over the replicas of rows: each rank writes its round-robin share of
-        the world's replicated pieces."""
-        self.adopt_param_writes()
-        pieces = self.pieces()
-        replicated = [p for p in pieces if p.replicated]
-        return [p for p in pieces if not p.replicated] + replicated[self.rank::self.world_size]
 
     @torch.no_grad()
     def gather_sequence(self, local, dim=1):

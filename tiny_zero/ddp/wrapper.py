@@ -33,6 +33,7 @@ class DDP(Wrapper):
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
                                average_over=self.world_size)  # STRATEGY: each bucket / N, before it is sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         self.shards = self.fp32_shards([self.flat_params])
         self.grads = {self.shards[0]: self.flat_grads}
 
@@ -72,6 +73,6 @@ class DDP(Wrapper):
         return pieces
 
     @torch.no_grad()
-    def gather_full(self):
+    def full_values(self):
         return {self.module.get_parameter(piece.name): piece.tensor[piece.offset:piece.offset + piece.hi]
                 .float().view(piece.shape).cpu().clone() for piece in self.pieces()}

@@ -64,17 +64,11 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.router_name = router_name
         setattr(self, router_name, router)
-        self.experts = experts
+        self.__dict__["experts"] = experts  # a plain attribute, kept out of the module's parameters (LocalExperts)
         self.num_experts, self.top_k, self.jitter_noise = num_experts, top_k, jitter_noise
         self.group, self.group_size = group, group_size
         self.router_logits = None  # the last forward's, for a model's auxiliary loss
         self.path = "experts"  # its name in the model, set by the wrapper
-
-    def __setattr__(self, name, value):
-        if name == "experts":  # kept out of the module's parameters (LocalExperts)
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
 
     def forward(self, x):
         h = x.reshape(-1, x.shape[-1])

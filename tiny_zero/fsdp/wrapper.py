@@ -15,12 +15,12 @@ is the whole unit: the parameters are views of it, and nothing is gathered,
 freed or sent.
 Collectives: all_gather of a unit into its buffer before its first layer's
 forward and again before its last layer's backward, the next unit's started
-ahead (unshard); reduce_scatter of each unit's grads during backward, once
+ahead (layers.py: before_layer); reduce_scatter of each unit's grads during backward, once
 they are final. The optimizer steps the slices: nothing is gathered after
 the step.
 FSDPOffload (DeepSpeed's stage 3 with offload_optimizer): the same units,
 gathers and reduce-scatters, with this rank's optimizer in host memory, as
-../offload's: the fp32 masters, averaged grads and moments of its slices;
+../offload's: the fp32 masters, averaged grads and AdamW state of its slices;
 each unit's averaged slice is copied there once its reduce_scatter is done,
 the step runs on the CPU, and the updated slices are copied back to the
 device (sync_params). With offload_params (offload_param) the slices
@@ -35,35 +35,36 @@ from .. import comm
 from ..buckets import Buckets, buckets_from_runs
 from ..offload.wrapper import HostMemory
 from ..step import Wrapper
-from ..units import Gathering, gather_units, held_for_pass
+from ..units import Unsharding, find_units, held_for_pass
 from .layers import LAYER_CLASSES
 
 
-class FSDP(Gathering, Wrapper):
+class FSDP(Unsharding, Wrapper):
     layer_classes = LAYER_CLASSES
     params_whole_between_steps = False  # the parameters: released between uses
 
     def __init__(self, module, units=None, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         layers = self.strategy_layers  # tiny_zero's layers and the hooked modules (hooked.py)
-        groups = gather_units(self.module, layers, units)
+        groups = find_units(self.module, layers, units)
         units = flat_units(groups, self.world_size)
         unit_of = {p: u for u in units for p in u.params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
-        self.gathers = self.gathers_units()
+        self.releases_params = self.params_released_here()
         trainable = [u for u in units if u.params[0].requires_grad]
         self.slices, self.slice_start = {}, {}
         self.keep_slices(trainable)  # STRATEGY: 1/N of every tensor
         self.frozen_local = self.keep_slices([u for u in units if not u.params[0].requires_grad])
         self.buckets = Buckets(trainable[::-1], self.reduce_dtype, self.device,  # the last layer's grads first,
                                average_over=self.world_size)  # STRATEGY: each unit's / N, as it is flattened to be sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         self.shards = self.fp32_shards([self.slices[u] for u in trainable])  # one per unit: each has its own grads
         self.shard_of = dict(zip(trainable, self.shards))
-        self.full, self.views = {}, {}  # unit -> its full buffer; [(parameter, its view of it, released)]
-        for unit in units if self.gathers else ():
+        self.unit_buffer, self.views = {}, {}  # unit -> its full buffer; [(parameter, its view of it, released)]
+        for unit in units if self.releases_params else ():
             self.make_buffer(unit)
         self.start_gathering(self.units_of, held_for_pass(groups, units, lambda unit: unit.params))
-        self.sending = []  # (unit, reduce-scatter, its averaged grads, the sum) in flight
+        self.unfinished = []  # (unit, reduce-scatter, its averaged grads, the sum) in flight
 
     def keep_slices(self, units):
         """This rank's slice of each unit, in one flat buffer (self.slices[unit]
@@ -84,12 +85,12 @@ class FSDP(Gathering, Wrapper):
                 lo, hi = max(offset, begin), min(offset + n, begin + size(unit))  # p's part in this slice
                 if lo < hi:
                     self.slices[unit][lo - begin:hi - begin] = value.reshape(-1)[lo - offset:hi - offset]
-                self.set_data(p, self.released(p) if self.gathers else unit.own_view(self.slices[unit], p))
+                self.set_data(p, self.released(p) if self.releases_params else unit.own_view(self.slices[unit], p))
                 del value  # one full tensor at a time
             start += size(unit)
         return local
 
-    def gathers_units(self):
+    def params_released_here(self):
         return self.world_size > 1  # world 1: every unit is whole here, its slice
 
     def slice_buffer(self, numel):
@@ -99,42 +100,40 @@ class FSDP(Gathering, Wrapper):
     def make_buffer(self, unit):
         """The unit's full buffer and each parameter's view of it, made once;
         the buffer's memory is let go at once, until the unit is gathered."""
-        full = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
-        self.views[unit] = [(p, unit.own_view(full, p), self.released(p)) for p in unit.params]
-        full.untyped_storage().resize_(0)
-        self.full[unit] = full
+        buffer = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
+        self.views[unit] = [(p, unit.own_view(buffer, p), self.released(p)) for p in unit.params]
+        buffer.untyped_storage().resize_(0)
+        self.unit_buffer[unit] = buffer
 
-    # ------------------------------------------------------------ gather (when: units.Gathering)
+    # ------------------------------------------------------------ gather (when: units.Unsharding)
 
-    def gather(self, unit):
+    def start_gather(self, unit):
         """Start a unit's all-gather into its buffer, grown back to full size."""
-        full = self.full[unit]
-        full.untyped_storage().resize_(full.numel() * full.element_size())  # STRATEGY: memory for the full unit
-        return full, [comm.all_gather(full, self.slices[unit], async_op=True)]  # STRATEGY: N slices -> full
+        buffer = self.unit_buffer[unit]
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())  # STRATEGY: memory for the full unit
+        return buffer, [comm.all_gather(buffer, self.slices[unit], async_op=True)]  # STRATEGY: N slices -> the full unit
 
     # ------------------------------------------------------------ grads
 
     @torch.no_grad()
-    def reduce_scatter(self, unit):
+    def send_bucket(self, unit):
         """Send a unit whose grads are final. At world 1 the unit's grads are
         the sum: nothing is sent."""
-        dest = self.averaged_grads(self.shard_of[unit])
+        dest = self.grads_for(self.shard_of[unit])
         if self.world_size == 1:
-            self.sent(unit, None, dest, unit.grads)
+            self.queue_finish(unit, None, dest, unit.grads)
         else:
             out = self.reduce_target(dest)
             handle = comm.reduce_scatter(out, unit.grads, async_op=True)  # STRATEGY: each rank gets its slice's sum
-            self.sent(unit, handle, dest, out)
-
-    send = reduce_scatter
+            self.queue_finish(unit, handle, dest, out)
 
     def finish(self, unit, handle, dest, out):
         if handle is not None:
             handle.wait()
-        self.average_into(dest, out)
+        self.add_to_grads(dest, out)
         unit.grads = None  # STRATEGY: free the unit's full grads; only this rank's slice of the sum stays
 
-    after_backward = Wrapper.send_the_rest
+    after_backward = Wrapper.finish_sends
 
     def sync_params(self):
         pass  # the slices are updated in place; the next forward gathers them
@@ -161,10 +160,10 @@ class FSDP(Gathering, Wrapper):
                 for u in sorted(self.slices, key=lambda u: u.index)]
 
     @torch.no_grad()
-    def gather_full(self):
+    def full_values(self):
         full = {}
         for unit, tensor, start in self.unit_slices():
-            full.update(self.gather_bucket(unit, tensor[start:start + self.slices[unit].numel()].float()))
+            full.update(self.full_values_of_bucket(unit, tensor[start:start + self.slices[unit].numel()].float()))
         return full
 
 
@@ -183,9 +182,9 @@ class FSDPOffload(HostMemory, FSDP):
         on_host = list(self.slices.values()) if self.params_on_host else []
         self.host = self.shards + list(self.working.values()) + [self.host_grads] + on_host
 
-    def gathers_units(self):
+    def params_released_here(self):
         # on a GPU the layers cannot read host memory: a unit is brought up even at world 1
-        return super().gathers_units() or (self.params_on_host and self.device.type != "cpu")
+        return super().params_released_here() or (self.params_on_host and self.device.type != "cpu")
 
     def slice_buffer(self, numel):
         if not self.params_on_host:
@@ -197,19 +196,19 @@ class FSDPOffload(HostMemory, FSDP):
             return super().fp32_shards(slices)
         return self.host_masters(slices)  # STRATEGY: this rank's slices' fp32 masters, on the host
 
-    def gather(self, unit):
+    def start_gather(self, unit):
         if not self.params_on_host:
-            return super().gather(unit)
-        full, size = self.full[unit], self.slices[unit].numel()
-        full.untyped_storage().resize_(full.numel() * full.element_size())  # STRATEGY: memory for the full unit
-        mine = full[self.rank * size:(self.rank + 1) * size]
+            return super().start_gather(unit)
+        buffer, size = self.unit_buffer[unit], self.slices[unit].numel()
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())  # STRATEGY: memory for the full unit
+        mine = buffer[self.rank * size:(self.rank + 1) * size]
         self.to_device(mine, self.slices[unit])  # STRATEGY: this rank's slice up, queued before the all_gather
-        return full, [comm.all_gather(full, mine, async_op=True)]  # STRATEGY: N slices -> full, around mine
+        return buffer, [comm.all_gather(buffer, mine, async_op=True)]  # STRATEGY: N slices -> the full unit, around mine
 
     def reduce_target(self, dest):
         return torch.empty(dest.numel(), dtype=dest.dtype, device=self.device)  # the sum, on the device
 
-    def average_into(self, dest, average):
+    def add_to_grads(self, dest, average):
         self.grad_to_host(dest, average)
 
     def free_gathered(self):

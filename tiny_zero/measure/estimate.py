@@ -42,7 +42,7 @@ import sys
 import torch
 
 from ..buckets import DEFAULT_BUCKET_BYTES, make_buckets
-from ..units import gather_units
+from ..units import find_units
 from ..fsdp.wrapper import flat_units
 from ..module import hooked_modules, layer_kind
 from ..zero3.wrapper import loads, owner_table, unit_params
@@ -155,7 +155,7 @@ def strategy_comm(module, strategy, world_size, mixed_precision, bucket_bytes):
         padded = sum(b.numel for b in buckets)
         return {"reduce_scatter": padded, "all_gather": padded}
     if strategy == "zero3":  # each unit's tensors broadcast, once per run of layers using it, forward and backward
-        params_of = unit_params(gather_units(module, layers(module), None))
+        params_of = unit_params(find_units(module, layers(module), None))
         size = lambda unit: sum(p.numel() for p in params_of[unit])  # noqa: E731
         return {"broadcast": 2 * gathered(layers(module), params_of, size), "reduce": numel}
     if strategy == "fsdp":  # each unit all-gathered, the same way
@@ -314,7 +314,7 @@ def gathered(module_layers, params_of, size):
 
 def fsdp_units(module, world_size):
     """fsdp's flat units for `module`: its blocks (the default), each other layer alone."""
-    return flat_units(gather_units(module, layers(module), None), world_size)
+    return flat_units(find_units(module, layers(module), None), world_size)
 
 
 def layers(module):
@@ -381,7 +381,7 @@ def report(module, model_name, strategy, world_size, mixed_precision=None, bucke
         where = placement(module, strategy, n, mixed_precision, bucket_bytes)[0]
         copy = " + the pinned copy back" if element_bytes(mixed_precision)[0] != 4 else ""
         lines.append(f"  on the device {fmt_bytes(where['device'])} (the parameters); in host memory "
-                     f"{fmt_bytes(where['host'])} (grads, fp32 masters, moments{copy})")
+                     f"{fmt_bytes(where['host'])} (grads, fp32 masters, AdamW state{copy})")
 
     elements = comm_per_step(module, strategy, n, mixed_precision, bucket_bytes)
     p, _ = element_bytes(mixed_precision)
@@ -413,7 +413,7 @@ def main(argv=None):
                    help="one or more (default: all)")
     p.add_argument("--world-size", type=int, default=8, help="ranks N (default: 8)")
     p.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
-                   help="bf16/fp16 parameters and grads, fp32 masters and moments (default: fp32)")
+                   help="bf16/fp16 parameters and grads, fp32 masters and AdamW state (default: fp32)")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
                    help="bucket size in MiB (default: the wrappers' 25)")
     args = p.parse_args(argv)

@@ -359,7 +359,7 @@ def held_tensors(model, optimizer=None):
 def wrapper_held(model, optimizer_state):
     """What a tiny_zero wrapper holds, from what every strategy declares
     (shards, working, grads, buckets, released_zero, host; zero3's and
-    fsdp's gather buffers, full). fp32 masters count as optimizer state, as the ZeRO paper
+    fsdp's gather buffers, unit_buffer). fp32 masters count as optimizer state, as the ZeRO paper
     counts them: on the host they are the pieces' tensors (offload)."""
     host = {id(t) for t in model.host}
     stored = {id(piece.tensor): piece.tensor for piece in model.all_pieces()}.values()
@@ -368,9 +368,9 @@ def wrapper_held(model, optimizer_state):
     buckets = model.buckets
     temporary = [b.grads for b in buckets if buckets.flat is None and b.grads is not None]
     temporary += [part for b in buckets for part in b.parts.values()]
-    # zero3's and fsdp's gather buffers (model.full: empty while not gathered), counted from the
-    # moment a gather grows one, before the gather is stored (in_flight, gathered)
-    gathered = list(getattr(model, "full", {}).values())
+    # zero3's and fsdp's gather buffers (model.unit_buffer: empty while not gathered), counted from the
+    # moment a gather grows one, before the gather is stored (prefetched, gathered)
+    gathered = list(getattr(model, "unit_buffer", {}).values())
     return {"parameters": [model.working.get(t, t) for t in stored if id(t) not in host]
             + [getattr(model, "flat_params", None), model.released_zero],
             "optimizer_state": optimizer_state + masters,

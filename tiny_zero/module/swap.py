@@ -145,17 +145,6 @@ def holds_its_own(module, converted):
     return any(id(p) not in converted for p in params) or (bool(params) and own_forward)
 
 
-def layer_classes(*mixins, name_from=None):
-    """A strategy's layers: for each kind, the tiny_zero layer with the
-    mixins' callbacks in front (DDPLayer -> DDPLinear(..., DDPLayer, Linear)),
-    named after the mixin `name_from` (default: the last). Returns {kind: that class}, what
-    swap_layers() takes."""
-    name_from = name_from or mixins[-1]
-    prefix = name_from.__name__.removesuffix("Layer")
-    return {kind: type(prefix + layer.__name__, (*mixins, layer), {"__module__": name_from.__module__})
-            for kind, layer in DEFAULT_CLASSES.items()}
-
-
 @functools.cache
 def adapted_class(ours, original):
     """The class of a layer of class `original` converted to `ours`: both,

@@ -1,5 +1,5 @@
 """ZeroOffloadAdamW: AdamW over this rank's chunks, as Zero2AdamW, but on the
-host: the fp32 masters, the moments and the averaged grads it reads are CPU
+host: the fp32 masters, the AdamW state and the averaged grads it reads are CPU
 tensors, and the update is torch's fused CPU AdamW kernel (one vectorised
 pass; tiny_zero/optim/fused.py) on this rank's share of the host's cores.
 After the step the wrapper copies the updated chunks back to the device and

@@ -58,14 +58,14 @@ class HostMemory:
     def grad_to_host(self, dest, average):
         """A collective's average (on the device) into dest, part of model.grads on the host."""
         # the step's first average lands in place; a later backward's is added on the host (after_backward)
-        land = dest if dest.data_ptr() not in self.averaged else self.host_empty(dest.numel(), dest.dtype)
+        land = dest if dest.data_ptr() not in self.grads_written else self.host_empty(dest.numel(), dest.dtype)
         self.to_host(land, average)  # STRATEGY: the average to the host; backward goes on
-        self.averaged.add(dest.data_ptr())
+        self.grads_written.add(dest.data_ptr())
         self.landing.append((dest, land))
 
     @torch.no_grad()
     def after_backward(self):
-        self.send_the_rest()
+        self.finish_sends()
         self.wait_for_copies()  # the host reads the grads next
         with self.host_threads():
             for dest, land in self.landing:
@@ -158,7 +158,7 @@ class HostMemory:
             torch.set_num_threads(threads)
 
 
-class ZeroOffload(HostMemory, HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_full of the chunks
+class ZeroOffload(HostMemory, HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, full_values of the chunks
     layer_classes = LAYER_CLASSES
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
@@ -170,27 +170,26 @@ class ZeroOffload(HostMemory, HeldInChunks, Wrapper):  # HeldInChunks: grad_attr
         self.keep_whole(self.frozen)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
         self.shards = self.host_masters(chunks)
         self.host_grads = self.host_empty(self.flat_params.numel() // n, self.reduce_dtype).zero_()
         self.grads = {shard: self.host_grads[b.start // n:(b.start + b.numel) // n]
                       for shard, b in zip(self.shards, buckets)}
         self.host = self.shards + list(self.working.values()) + [self.host_grads]
-        self.sending = []  # (bucket, reduce-scatter, its sum) in flight
+        self.unfinished = []  # (bucket, reduce-scatter, its averaged grads on the host, the sum) in flight
 
     @torch.no_grad()
-    def reduce_scatter(self, bucket):
+    def send_bucket(self, bucket):
         """Send a bucket whose grads are final."""
         out = torch.empty(bucket.numel // self.world_size, dtype=self.reduce_dtype, device=self.device)
         handle = comm.reduce_scatter(out, bucket.grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
-        self.sent(bucket, handle, out)
+        self.queue_finish(bucket, handle, self.grads[self.shards[bucket.index]], out)
 
-    send = reduce_scatter
-
-    def finish(self, bucket, handle, out):
+    def finish(self, bucket, handle, dest, out):
         handle.wait()
         bucket.grads = None  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
-        self.grad_to_host(self.grads[self.shards[bucket.index]], out)
+        self.grad_to_host(dest, out)
 
     # ------------------------------------------------------------ after the step: parameters to the device
 

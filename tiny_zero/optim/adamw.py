@@ -52,7 +52,7 @@ def adamw_update_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, we
     param_out: optional tensor of the same numel (fp16/bf16/fp32) that receives the updated
     param, cast, in the same pass.
     found_inf: None, or a 0-d fp32 tensor on param's device (fp16's overflow, as torch's fused
-    AdamW takes it): where it is nonzero the update writes nothing (param, moments, param_out).
+    AdamW takes it): where it is nonzero the update writes nothing (param, exp_avg, exp_avg_sq, param_out).
     kernel: "auto" (triton when param is on CUDA and triton imports, else torch) | "triton" | "torch"
     | "fused" (torch's fused AdamW kernel, fused.py).
     """

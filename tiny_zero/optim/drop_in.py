@@ -33,7 +33,7 @@ class Flat:
                 if self.low:
                     saved = (self.states[i] or {}).get("master", p)
                     self.master[self.span(i)].copy_(saved.reshape(-1))
-                if self.states[i]:  # its moments move in, and its state shows them where they now are
+                if self.states[i]:  # its exp_avg and exp_avg_sq move in, and its state shows them where they now are
                     for key in ("exp_avg", "exp_avg_sq"):
                         getattr(self, key)[self.span(i)].copy_(self.states[i][key].reshape(-1))
                     self.point_state(i)
@@ -238,7 +238,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def init_state(self, p):
-        """p's state, created as the first step creates it (step 0, zero moments, an fp32 master
+        """p's state, created as the first step creates it (step 0, zero exp_avg and exp_avg_sq, an fp32 master
         for a low-precision p) if it does not exist yet."""
         state = self.state[p]
         if len(state) == 0:

@@ -68,7 +68,7 @@ class Pipeline(PointToPoint, Wrapper):
         held = [{p for child in run for p in child.parameters()} for run in children]
         self.holders = {p: [s for s in range(stages) if p in held[s]] for _, p in self.named_params}
         self.hold(held[self.stage], bucket_bytes)
-        self.averaging = False  # True in the last micro-batch's backward: buckets are sent as they fill
+        self.syncs_this_backward = False  # True in the last micro-batch's backward: buckets are sent as they fill
         # {the shapes of an input micro-batch: the Layout of what this stage sent or received for it}
         self.sent_layouts, self.received_layouts = {}, {}
 
@@ -92,6 +92,7 @@ class Pipeline(PointToPoint, Wrapper):
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
                                average_over=self.replicas)  # STRATEGY: each bucket / R, before it is sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         stepped = sum(b.numel for b in self.own_buckets)
         self.shards = self.fp32_shards([self.flat_params[:stepped]])
         self.grads = {self.shards[0]: self.flat_grads[:stepped]}
@@ -127,7 +128,7 @@ class Pipeline(PointToPoint, Wrapper):
         """Run this stage's actions (schedule.py), in order."""
         self.micro_batches(x, y, what)
         self.saved, self.outbox, self.sending, self.losses = {}, [], [], []
-        self.averaging = False
+        self.syncs_this_backward = False
         for kind, m in actions:
             comm.where = f"stage {self.stage}, {what} {kind}{m}"
             if kind == FORWARD:
@@ -197,7 +198,7 @@ class Pipeline(PointToPoint, Wrapper):
             next_stage = self.rank_of(self.stage + 1)
             self.exchange([(g, next_stage) for g in grads if g.numel()])  # STRATEGY: d loss / d out
         if m == self.microbatches - 1:
-            self.averaging = self.require_grad_sync  # the grads are final in this backward
+            self.syncs_this_backward = self.require_grad_sync  # the grads are final in this backward
         if outs:
             torch.autograd.backward(outs, grads)
         self.buckets.add_held()  # grad hooks run once per micro-batch's backward, as in torch
@@ -286,7 +287,7 @@ class Pipeline(PointToPoint, Wrapper):
         return stepped + self.whole_pieces([p for p in self.frozen if self.owns(p)])
 
     @torch.no_grad()
-    def gather_full(self):
+    def full_values(self):
         """The parameters of each stage, from its first replica to every rank: one broadcast per stage."""
         mine = {piece.name: piece for piece in self.all_pieces()}
         full = {}

@@ -17,10 +17,11 @@ Every layer's grads are averaged over the replicas as ddp's are: each goes
 into its bucket, and a bucket whose grads are final is all-reduced across
 the replicas at once, asynchronously, while backward goes on."""
 import torch
-import torch.nn as nn
 
 from .. import comm
-from ..step import layer_classes
+from ..hooked import HookedLayer
+from ..module import Conv1D, Embedding, LayerNorm, Linear, RMSNorm
+from ..step import LayerMoments, StrategyLayer, layer_classes
 
 
 class TensorParallelLayer:
@@ -64,6 +65,19 @@ class RowParallel(TensorParallelLayer):
         return y if self.bias is None else y + self.bias.to(y.dtype)  # the bias once, after the sum
 
 
-LAYER_CLASSES = layer_classes(TensorParallelLayer)  # TensorParallelLinear, ...: whole on every rank
-COLUMN_LINEAR = layer_classes(ColumnParallel)[nn.Linear]  # ColumnParallelLinear
-ROW_LINEAR = layer_classes(RowParallel)[nn.Linear]  # RowParallelLinear
+# The layers this strategy swaps in (module/layers.py's math, this mixin's moments, step.py's around them),
+# and the same moments for a module reached through hooks (hooked.py):
+class TensorParallelLinear(StrategyLayer, TensorParallelLayer, LayerMoments, Linear): pass
+class TensorParallelLayerNorm(StrategyLayer, TensorParallelLayer, LayerMoments, LayerNorm): pass
+class TensorParallelRMSNorm(StrategyLayer, TensorParallelLayer, LayerMoments, RMSNorm): pass
+class TensorParallelEmbedding(StrategyLayer, TensorParallelLayer, LayerMoments, Embedding): pass
+class TensorParallelConv1D(StrategyLayer, TensorParallelLayer, LayerMoments, Conv1D): pass
+class TensorParallelHooked(HookedLayer, TensorParallelLayer, LayerMoments): pass
+
+LAYER_CLASSES = layer_classes(TensorParallelLinear, TensorParallelLayerNorm, TensorParallelRMSNorm,
+                              TensorParallelEmbedding, TensorParallelConv1D, TensorParallelHooked)
+
+
+class ColumnParallelLinear(StrategyLayer, ColumnParallel, LayerMoments, Linear): pass
+class RowParallelLinear(StrategyLayer, RowParallel, LayerMoments, Linear): pass
+COLUMN_LINEAR, ROW_LINEAR = ColumnParallelLinear, RowParallelLinear

@@ -69,6 +69,7 @@ class TensorParallel(Wrapper):
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
                                average_over=self.replicas)  # STRATEGY: each bucket / R, before it is sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         self.shards = self.fp32_shards([self.flat_params])
         self.grads = {self.shards[0]: self.flat_grads}
 
@@ -181,7 +182,7 @@ class TensorParallel(Wrapper):
         return sliced[self.replica::self.replicas] + whole[self.rank::self.world_size]
 
     @torch.no_grad()
-    def gather_full(self):
+    def full_values(self):
         full = {}
         for name, p in self.named_params:
             tensor, start = self.storage(p)

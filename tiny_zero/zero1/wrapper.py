@@ -24,7 +24,7 @@ from ..step import Wrapper
 from .layers import LAYER_CLASSES
 
 
-class Zero1(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_full of the chunks
+class Zero1(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, full_values of the chunks
     layer_classes = LAYER_CLASSES
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
@@ -36,6 +36,7 @@ class Zero1(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_f
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)  # STRATEGY: full, kept through backward
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
                                average_over=self.world_size)  # STRATEGY: each bucket / N, before it is sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
         self.shards = self.fp32_shards(chunks)
         self.grads = {shard: b.chunk(self.flat_grads, self.rank, n) for shard, b in zip(self.shards, buckets)}

@@ -22,7 +22,7 @@ from ..step import Wrapper
 from .layers import LAYER_CLASSES
 
 
-class Zero2(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_full of the chunks
+class Zero2(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, full_values of the chunks
     layer_classes = LAYER_CLASSES
 
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
@@ -33,29 +33,28 @@ class Zero2(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, gather_f
         self.keep_whole(self.frozen)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
         self.shards = self.fp32_shards(chunks)
         self.grad_chunks = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)
         self.grads = {shard: self.grad_chunks[b.start // n:(b.start + b.numel) // n]
                       for shard, b in zip(self.shards, buckets)}
-        self.sending = []  # (bucket, reduce-scatter, its averaged grads, the sum) in flight
+        self.unfinished = []  # (bucket, reduce-scatter, its averaged grads, the sum) in flight
 
     @torch.no_grad()
-    def reduce_scatter(self, bucket):
+    def send_bucket(self, bucket):
         """Send a bucket whose grads are final."""
         dest = self.grads[self.shards[bucket.index]]
         out = self.reduce_target(dest)
         handle = comm.reduce_scatter(out, bucket.grads, async_op=True)  # STRATEGY: each rank gets its chunk's sum
-        self.sent(bucket, handle, dest, out)
-
-    send = reduce_scatter
+        self.queue_finish(bucket, handle, dest, out)
 
     def finish(self, bucket, handle, dest, out):
         handle.wait()
-        self.average_into(dest, out)
+        self.add_to_grads(dest, out)
         bucket.grads = None  # STRATEGY: free the bucket's full grads; only this rank's chunk of the sum stays
 
-    after_backward = Wrapper.send_the_rest
+    after_backward = Wrapper.finish_sends
 
     @torch.no_grad()
     def sync_params(self):

@@ -10,7 +10,7 @@ gathered ahead). At world 1 a rank owns all: nothing is gathered or sent.
 Collectives: broadcast of a unit's tensors from each owner, all at once (its
 bucket: its tensors of the unit, side by side), before the unit's first layer
 runs forward and again before its last layer's backward, the next unit's
-started ahead (units.py: unshard); reduce of each bucket's grads to its
+started ahead (layers.py: before_layer); reduce of each bucket's grads to its
 owner in backward, as soon as they are final. Owners step their tensors:
 nothing is gathered after.
 """
@@ -19,11 +19,11 @@ import torch
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs
 from ..step import Wrapper
-from ..units import Gathering, gather_units, held_for_pass
+from ..units import Unsharding, find_units, held_for_pass
 from .layers import LAYER_CLASSES
 
 
-class Zero3(Gathering, Wrapper):
+class Zero3(Unsharding, Wrapper):
     layer_classes = LAYER_CLASSES
     params_whole_between_steps = False  # the parameters: released between uses
 
@@ -32,7 +32,7 @@ class Zero3(Gathering, Wrapper):
         table = owner_table([(n, p.numel()) for n, p in self.named_params], self.world_size)
         self.owner = {p: table[name] for name, p in self.named_params}  # STRATEGY: whole tensors, one owner each
         layers = self.strategy_layers  # tiny_zero's layers and the hooked modules (hooked.py)
-        groups = gather_units(self.module, layers, units)
+        groups = find_units(self.module, layers, units)
         self.unit_params = unit_params(groups)
         unit_of = {p: unit for unit, params in self.unit_params.items() for p in params}
         buckets = owner_buckets(self.trainable[::-1], self.owner, unit_of, bucket_bytes)  # grad-ready order
@@ -40,15 +40,16 @@ class Zero3(Gathering, Wrapper):
         self.owned = self.keep_owned(self.owned_buckets)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
+        self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         self.shards = self.fp32_shards([self.owned]) if self.owned.numel() else []
         self.unit_buckets = {unit: [b for b in buckets if unit_of[b.params[0]] == unit] for unit in self.unit_params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
-        self.gathers = self.world_size > 1  # world 1: this rank owns every tensor
-        self.full, self.sends, self.views = {}, {}, {}  # per unit: see make_buffer
-        for unit in self.unit_params if self.gathers else ():
+        self.releases_params = self.world_size > 1  # world 1: this rank owns every tensor
+        self.unit_buffer, self.broadcasts, self.views = {}, {}, {}  # per unit: see make_buffer
+        for unit in self.unit_params if self.releases_params else ():
             self.make_buffer(unit)
         self.start_gathering(self.units_of, held_for_pass(groups, self.unit_params, self.unit_params.get))
-        self.sending = []  # (bucket, its reduce) in flight
+        self.unfinished = []  # (bucket, its reduce, None, the sum) in flight
 
     def keep_owned(self, owned_buckets):
         """Owners keep (or materialise from meta) their tensors, the trainable
@@ -78,53 +79,53 @@ class Zero3(Gathering, Wrapper):
         return owned
 
     def make_buffer(self, unit):
-        """Once per unit: full, a buffer for others' tensors (its memory let go until gathered); sends,
-        [(what a broadcast fills or sends, its owner)], per bucket and frozen tensor; views, [(p, view, released)]."""
+        """Once per unit: unit_buffer, the others' tensors of the unit side by side (its memory let go until
+        gathered); broadcasts, [(what a broadcast fills or sends, its owner)], per bucket and frozen tensor;
+        views, [(p, its view of unit_buffer, released)]."""
         frozen = buckets_from_runs([[p] for p in self.unit_params[unit] if p not in self.buckets.of])
         parts = [(b, self.owner[b.params[0]]) for b in self.unit_buckets[unit] + frozen]
-        full = torch.empty(sum(b.numel for b, owner in parts if owner != self.rank), dtype=self.param_dtype,
-                           device=self.device)
-        sends, views, start = [], [], 0
+        buffer = torch.empty(sum(b.numel for b, owner in parts if owner != self.rank), dtype=self.param_dtype,
+                             device=self.device)
+        broadcasts, views, start = [], [], 0
         for bucket, owner in parts:
             at = self.owned_start.get(bucket)  # sent from where it is kept: the owned buffer, or the frozen tensor
             if owner == self.rank:
                 flat = bucket.params[0].data if at is None else self.owned[at:at + bucket.numel]
             else:
-                flat, start = full[start:start + bucket.numel], start + bucket.numel
+                flat, start = buffer[start:start + bucket.numel], start + bucket.numel
                 views += [(p, bucket.own_view(flat, p), self.released(p)) for p in bucket.params]
-            sends.append((flat, owner))
-        full.untyped_storage().resize_(0)
-        self.full[unit], self.sends[unit], self.views[unit] = full, sends, views
+            broadcasts.append((flat, owner))
+        buffer.untyped_storage().resize_(0)
+        self.unit_buffer[unit], self.broadcasts[unit], self.views[unit] = buffer, broadcasts, views
 
-    # ------------------------------------------------------------ gather (when: units.Gathering)
+    # ------------------------------------------------------------ gather (when: units.Unsharding)
 
-    def gather(self, unit):
-        """Start a unit's broadcasts, into its buffer grown back to full size."""
-        full = self.full[unit]
-        full.untyped_storage().resize_(full.numel() * full.element_size())  # STRATEGY: memory for others' tensors
-        return full, [comm.broadcast(flat, src=owner, async_op=True)  # STRATEGY: owner -> all, each bucket at once
-                      for flat, owner in self.sends[unit]]
+    def start_gather(self, unit):
+        """Start a unit's broadcasts, into its buffer, grown back to full size."""
+        buffer = self.unit_buffer[unit]
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())  # STRATEGY: memory for others' tensors
+        return buffer, [comm.broadcast(flat, src=owner, async_op=True)  # STRATEGY: owner -> all, each bucket at once
+                        for flat, owner in self.broadcasts[unit]]
 
     # ------------------------------------------------------------ grads
 
     @torch.no_grad()
-    def reduce(self, bucket):
+    def send_bucket(self, bucket):
         """Send a bucket whose grads are final to its owner."""
         owner = self.owner[bucket.params[0]]
-        handle = comm.reduce(bucket.grads, dst=owner, async_op=True) if self.gathers else None  # STRATEGY: sum
-        self.sent(bucket, handle)  # at the owner (world 1: the bucket is the sum, here)
+        handle = comm.reduce(bucket.grads, dst=owner, async_op=True) if self.releases_params else None  # STRATEGY: sum
+        self.queue_finish(bucket, handle, None, bucket.grads)  # at the owner (world 1: the bucket is the sum, here)
 
-    send = reduce
-
-    def finish(self, bucket, handle):
+    def finish(self, bucket, handle, dest, out):
+        """dest is None: the owner finds its place in model.grads once the sum is there (made at the first finish)."""
         if handle is not None:
             handle.wait()
         if bucket in self.owned_start:  # STRATEGY: the owner keeps the average; the others drop the bucket
             start = self.owned_start[bucket]
-            self.average_into(self.averaged_grads(self.shards[0])[start:start + bucket.numel], bucket.grads)
+            self.add_to_grads(self.grads_for(self.shards[0])[start:start + bucket.numel], out)
         bucket.grads = None  # STRATEGY: free the bucket's full grads
 
-    after_backward = Wrapper.send_the_rest
+    after_backward = Wrapper.finish_sends
 
     def sync_params(self):
         pass  # the owners hold the updated tensors; the next forward broadcasts them
@@ -144,7 +145,7 @@ class Zero3(Gathering, Wrapper):
         return owned + self.whole_pieces(frozen, replicated=False)
 
     @torch.no_grad()
-    def gather_full(self):
+    def full_values(self):
         values = {piece.name: piece.tensor[piece.offset:piece.offset + piece.hi] for piece in self.pieces()}
         full = {}
         for name, p in self.named_params:
