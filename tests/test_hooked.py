@@ -24,3 +24,16 @@ def test_hooked_modules_train_as_torch_ddp(world_size):
     failures = [f for per_rank in run_checks(world_size, "hooked_checks", plan).values() for rank in per_rank
                 for f in rank]
     assert not failures, "\n".join(failures[:40])
+
+
+def test_parameters_read_outside_their_module_world_2():
+    """A frozen parameter outside every block read in another module's
+    functional call, and the wrapped module's own read in its forward, train
+    equal to torch DDP under every strategy; under zero3 and fsdp a trainable
+    weight tied by hand (F.linear(h, emb.weight)) and a block's frozen weight
+    read after its block raise on every rank at the read, naming it
+    (tests/outside_read_checks.py)."""
+    results = run_checks(2, "outside_read_checks", [("gathered", "gathered_where_read", ()),
+                                                     ("released", "read_released", ())])
+    failures = [f for per_rank in results.values() for rank in per_rank for f in rank]
+    assert not failures, "\n".join(failures[:40])

@@ -19,7 +19,7 @@ import torch
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs
 from ..step import Wrapper
-from ..units import Gathering, gather_units, held_for_pass
+from ..units import Gathering, gather_units
 from .layers import LAYER_CLASSES
 
 
@@ -47,7 +47,7 @@ class Zero3(Gathering, Wrapper):
         self.full, self.sends, self.views = {}, {}, {}  # per unit: see make_buffer
         for unit in self.unit_params if self.gathers else ():
             self.make_buffer(unit)
-        self.start_gathering(self.units_of, held_for_pass(groups, self.unit_params, self.unit_params.get))
+        self.start_gathering(self.units_of, groups, self.unit_params, self.unit_params.get)
         self.sending = []  # (bucket, its reduce) in flight
 
     def keep_owned(self, owned_buckets):
