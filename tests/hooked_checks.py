@@ -220,3 +220,7 @@ def accumulation():
         failures += [f"{strategy} no_sync: {key} differs" for key, v in ref.module.state_dict().items()
                      if not torch.allclose(state[key].float(), v.float(), rtol=RTOL, atol=ATOL)]
     return failures
+
+
+from hooked_parallel_checks import pipeline, tensor  # noqa: E402,F401  (run in the same world)
+from outside_read_checks import gathered_where_read, read_released  # noqa: E402,F401

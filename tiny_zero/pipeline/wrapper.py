@@ -38,7 +38,7 @@ from ..distributed import init_distributed
 from ..precision import ScaleGrad
 from ..step import Wrapper
 from .layers import LAYER_CLASSES
-from .messages import PointToPoint, flatten, grad_of, on_the_wire, unflatten
+from .messages import PointToPoint, flatten, unflatten
 from .schedule import FORWARD, SCHEDULES
 from .stages import stage_sizes
 
@@ -71,6 +71,7 @@ class Pipeline(PointToPoint, Wrapper):
         self.averaging = False  # True in the last micro-batch's backward: buckets are sent as they fill
         # {the shapes of an input micro-batch: the Layout of what this stage sent or received for it}
         self.sent_layouts, self.received_layouts = {}, {}
+        self.sent_reads, self.received_reads = {}, {}  # the same keys: which tensors a later stage read
 
     def hold(self, mine, bucket_bytes):
         """Materialise this stage's parameters only: a flat buffer as DDP's,
@@ -194,15 +195,13 @@ class Pipeline(PointToPoint, Wrapper):
             grads = None  # outs: this micro-batch's share of the loss
         else:
             grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in outs]  # contiguous
-            next_stage = self.rank_of(self.stage + 1)
-            self.exchange([(g, next_stage) for g in grads if g.numel()])  # STRATEGY: d loss / d out
+            outs, grads = self.receive_grads(outs, grads)  # of the outputs a later stage read
         if m == self.microbatches - 1:
             self.averaging = self.require_grad_sync  # the grads are final in this backward
         if outs:
             torch.autograd.backward(outs, grads)
         self.buckets.add_held()  # grad hooks run once per micro-batch's backward, as in torch
-        back = on_the_wire([grad_of(x) for x in inputs])
-        self.outbox += [(g, self.rank_of(self.stage - 1)) for g in back]  # STRATEGY: d loss / d inputs, back
+        self.send_grads(inputs)
 
     def loss(self, out, m):
         """The last stage: this micro-batch's loss, kept for the step's mean;
