@@ -23,7 +23,8 @@ def world2():
     return run_checks(2, "hooked_checks", [("parity", "parity", ()), ("accumulation", "accumulation", ()),
                                            ("gathered", "gathered_where_read", ()),
                                            ("released", "read_released", ()),
-                                           ("pipeline", "pipeline", ()), ("tensor", "tensor", ())])
+                                           ("pipeline", "pipeline", ()), ("tensor", "tensor", ()),
+                                           ("sync batchnorm", "sync_batchnorm", ())])
 
 
 def failures_of(world, *keys):
@@ -58,4 +59,13 @@ def test_hooked_modules_in_a_pipeline_stage_and_unsplit_under_tensor_parallelism
     in a pipeline stage and in a tensor-parallel model; the pipeline gives no
     grad (None) to a parameter that feeds only an output no later stage reads."""
     failures = failures_of(world2, "pipeline", "tensor")
+    assert not failures, "\n".join(failures[:40])
+
+
+def test_sync_batchnorm_as_torch_on_the_cpu_world_2(world2):
+    """A model converted by convert_sync_batchnorm wraps under every strategy;
+    on the CPU, where torch refuses SyncBatchNorm (DDP at wrap time, the layer
+    at a training forward), its own error comes on every rank at the forward,
+    and in eval mode the outputs are the module's."""
+    failures = failures_of(world2, "sync batchnorm")
     assert not failures, "\n".join(failures[:40])
