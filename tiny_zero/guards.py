@@ -1,7 +1,8 @@
 """Misuse turned into clear errors, the same on every rank (a first reader
 may skip this file): a model wrapped
 twice, models that differ across ranks, p.grad of a strategy that keeps
-averaged grads sharded used as if it were the whole grad, and model.<name>
+averaged grads sharded used as if it were the whole grad, a parameter read
+where zero3 and fsdp hold it released (ReleasedReads), and model.<name>
 for an attribute of the wrapped module (ForwardedAttributes, mixed into
 Wrapper)."""
 import functools
@@ -11,7 +12,8 @@ from array import array
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_leaves  # a foreach op takes lists of grads
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_leaves  # a foreach op takes lists of grads
 
 from . import comm
 
@@ -135,3 +137,41 @@ class ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError("a sharded grad has no data (see ShardedGrad)")
+
+
+# what a parameter may be asked while released: its metadata (p.shape, p.dtype, p.data are properties)
+METADATA = {"size", "dim", "stride", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+            "data_ptr", "untyped_storage", "storage_offset", "is_contiguous", "get_device", "__get__", "__set__",
+            "__hash__", "__len__", "new_zeros", "new_ones", "new_empty", "new_full"}
+
+
+class ReleasedReads(TorchFunctionMode):
+    """While a forward runs before the gather order is recorded: a torch
+    function given a parameter of the model whose unit is not gathered
+    (released: zeros of its shape, or on zero3's owner its own values) raises
+    before it computes, naming it. Whether a unit is gathered is the same on
+    every rank, so every rank raises at the same read, with no collective of
+    the pass left waiting. Only these forwards are watched: later steps run the
+    same code, and a steady-state step pays nothing."""
+
+    def __init__(self, wrapper):
+        super().__init__()
+        self.wrapper = wrapper
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) not in METADATA:
+            for t in tree_flatten((args, kwargs or {}))[0]:
+                self.check(t)
+        return func(*args, **(kwargs or {}))
+
+    def check(self, t):
+        wrapper = self.wrapper
+        found = wrapper.unit_of_param.get(id(t)) if isinstance(t, torch.nn.Parameter) else None
+        if found is None or found[0] is not t or found[1] in wrapper.gathered:
+            return
+        raise RuntimeError(
+            f"{wrapper.name_of[t]} was read while released: {type(wrapper).__name__} gathers a parameter only while "
+            "a layer of its unit runs (and frozen ones outside every block through the pass), and this read is "
+            "outside the module that holds it (as in F.linear(x, layer.weight) or x * norm.weight in another "
+            "module); it would read zeros. Use it through its module (a tied nn.Linear head, as GPT-2's), or give "
+            "the other use a parameter of its own")
