@@ -1,8 +1,9 @@
 """Worker functions for tests/test_hooked.py: parameters read outside the
 module that holds them. A frozen one outside every block, read in another
-module's functional call (DeBERTa's relative embeddings), and the wrapped
-module's own, read in its forward (CLIP's logit_scale), are gathered where
-they are read: every strategy trains equal to torch DDP. A trainable weight
+module's functional call (DeBERTa's relative embeddings), and a trainable one
+of the wrapped module (CLIP's logit_scale), read in its forward and in the
+blocks', are gathered where they are read: every strategy trains equal to
+torch DDP. A trainable weight
 tied by hand (F.linear(h, emb.weight) at the root) and a block's frozen
 weight read after its block are read released under zero3 and fsdp: every
 rank raises before the read computes (units.ReleasedReads), naming it.
@@ -30,8 +31,8 @@ class Block(nn.Module):
         self.fc = nn.Linear(WIDTH, WIDTH)
         self.norm = nn.LayerNorm(WIDTH)
 
-    def forward(self, h, table):
-        return h + self.fc(self.norm(h)).tanh() + F.linear(h, table).mean(-1, keepdim=True)  # another's weight
+    def forward(self, h, table, gain):
+        return h + self.fc(self.norm(h)).tanh() * gain + F.linear(h, table).mean(-1, keepdim=True)  # others' weights
 
 
 class ReadNet(nn.Module):
@@ -54,7 +55,7 @@ class ReadNet(nn.Module):
     def forward(self, idx):
         h = self.emb(idx)
         for block in self.blocks:
-            h = block(h, self.table.weight)
+            h = block(h, self.table.weight, self.gain)
         h = h * self.gain
         if self.read == "tied":
             return F.linear(h, self.emb.weight)

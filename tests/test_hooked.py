@@ -46,8 +46,9 @@ def test_hooked_modules_train_as_torch_ddp(world_size, request):
 
 def test_parameters_read_outside_their_module_world_2(world2):
     """A frozen parameter outside every block read in another module's
-    functional call, and the wrapped module's own read in its forward, train
-    equal to torch DDP under every strategy; under zero3 and fsdp a trainable
+    functional call, and a trainable one of the wrapped module read in its
+    forward and handed to its blocks, train equal to torch DDP under every
+    strategy; under zero3 and fsdp a trainable
     weight tied by hand (F.linear(h, emb.weight)) and a block's frozen weight
     read after its block raise on every rank at the read, naming it."""
     failures = failures_of(world2, "gathered", "released")
