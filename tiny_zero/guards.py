@@ -8,6 +8,7 @@ Wrapper)."""
 import functools
 import zlib
 from array import array
+from contextlib import nullcontext
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -139,6 +140,17 @@ class ShardedGrad(torch.Tensor):
         raise RuntimeError("a sharded grad has no data (see ShardedGrad)")
 
 
+def released_reads(wrapper):
+    """ReleasedReads over a zero3 or fsdp wrapper's first forward with grads
+    and its first without, before the gather order is recorded (the others:
+    nothing), so that a model only ever evaluated is not watched forever."""
+    mode = torch.is_grad_enabled()
+    if not wrapper.gathers or not wrapper.order.recording or mode in wrapper.watched:
+        return nullcontext()
+    wrapper.watched.add(mode)
+    return ReleasedReads(wrapper)
+
+
 # what a parameter may be asked while released: its metadata (p.shape, p.dtype, p.data are properties)
 METADATA = {"size", "dim", "stride", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
             "data_ptr", "untyped_storage", "storage_offset", "is_contiguous", "get_device", "__get__", "__set__",
@@ -151,8 +163,9 @@ class ReleasedReads(TorchFunctionMode):
     (released: zeros of its shape, or on zero3's owner its own values) raises
     before it computes, naming it. Whether a unit is gathered is the same on
     every rank, so every rank raises at the same read, with no collective of
-    the pass left waiting. Only these forwards are watched: later steps run the
-    same code, and a steady-state step pays nothing."""
+    the pass left waiting. Only the first forwards are watched
+    (released_reads): later steps run the same code, and a steady-state step
+    pays nothing."""
 
     def __init__(self, wrapper):
         super().__init__()

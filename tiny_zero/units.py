@@ -5,12 +5,10 @@ next layer still uses; and the gathers and frees that order decides
 (Gathering: unshard before a layer, reshard after). How a unit is gathered
 (zero3: broadcasts from its owners; fsdp: one all-gather of its slices) is
 the strategy's, in its wrapper.py: gather(unit)."""
-from contextlib import nullcontext
-
 import torch
 
 from .agreements import agree
-from .guards import ReleasedReads
+from .guards import released_reads
 from .module import in_backward_pass
 
 
@@ -177,10 +175,11 @@ class Gathering:
         self.gathered = {}  # unit -> (its buffer, [its gather's handles]), while its layers use it
         self.in_flight = {}  # unit -> the same, a gather started ahead of use
         self.held = list(held)  # gathered from a forward's first layer to its backward's end (held_for_pass)
+        self.watched = set()  # the grad modes of the forwards ReleasedReads watched (guards.released_reads)
 
     def forward(self, *args, **kwargs):
         """held_for_pass: gathered with the first layer (unshard), kept where a backward may follow; ReleasedReads."""
-        with ReleasedReads(self) if self.order.recording and self.gathers else nullcontext():
+        with released_reads(self):
             out = super().forward(*args, **kwargs)
         for unit in [u for u in self.held if u in self.gathered] if not torch.is_grad_enabled() else ():
             self.free(unit)  # no backward follows
