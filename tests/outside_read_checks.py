@@ -4,7 +4,7 @@ module's functional call (DeBERTa's relative embeddings), and a trainable one
 of the wrapped module (CLIP's logit_scale), read in its forward and in the
 blocks', are gathered where they are read: every strategy trains equal to
 torch DDP. A trainable weight
-tied by hand (F.linear(h, emb.weight) at the root) and a block's frozen
+tied by hand (h @ emb.weight.T at the root) and a block's frozen
 weight read after its block are read released under zero3 and fsdp: every
 rank raises before the read computes (units.ReleasedReads), naming it.
 
@@ -58,7 +58,7 @@ class ReadNet(nn.Module):
             h = block(h, self.table.weight, self.gain)
         h = h * self.gain
         if self.read == "tied":
-            return F.linear(h, self.emb.weight)
+            return h @ self.emb.weight.T
         if self.read == "block":
             h = h * self.blocks[0].norm.weight
         return self.head(h)

@@ -49,7 +49,7 @@ def test_parameters_read_outside_their_module_world_2(world2):
     functional call, and a trainable one of the wrapped module read in its
     forward and handed to its blocks, train equal to torch DDP under every
     strategy; under zero3 and fsdp a trainable
-    weight tied by hand (F.linear(h, emb.weight)) and a block's frozen weight
+    weight tied by hand (h @ emb.weight.T) and a block's frozen weight
     read after its block raise on every rank at the read, naming it."""
     failures = failures_of(world2, "gathered", "released")
     assert not failures, "\n".join(failures[:40])

@@ -151,10 +151,12 @@ def released_reads(wrapper):
     return ReleasedReads(wrapper)
 
 
-# what a parameter may be asked while released: its metadata (p.shape, p.dtype, p.data are properties)
+# what a parameter may be asked while released: methods, then properties (p.T, p.data: values, not here)
 METADATA = {"size", "dim", "stride", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
-            "data_ptr", "untyped_storage", "storage_offset", "is_contiguous", "get_device", "__get__", "__set__",
-            "__hash__", "__len__", "new_zeros", "new_ones", "new_empty", "new_full"}
+            "data_ptr", "untyped_storage", "storage_offset", "is_contiguous", "get_device", "requires_grad_",
+            "__hash__", "__len__", "new_zeros", "new_ones", "new_empty", "new_full", "__set__",
+            "shape", "dtype", "device", "layout", "ndim", "itemsize", "nbytes", "names", "is_cuda", "is_meta",
+            "is_sparse", "is_quantized", "is_nested", "requires_grad", "is_leaf", "grad", "grad_fn", "_version"}
 
 
 class ReleasedReads(TorchFunctionMode):
@@ -172,7 +174,10 @@ class ReleasedReads(TorchFunctionMode):
         self.wrapper = wrapper
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) not in METADATA:
+        name = getattr(func, "__name__", None)
+        if name == "__get__":  # a property: its own name
+            name = getattr(func.__self__, "__name__", None)
+        if name not in METADATA:
             for t in tree_flatten((args, kwargs or {}))[0]:
                 self.check(t)
         return func(*args, **(kwargs or {}))
