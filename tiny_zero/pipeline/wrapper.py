@@ -17,7 +17,7 @@ Collectives:
   its output to the next stage after its forward (a tensor, or tuples and
   dicts of them; their layout first, once per input shape: messages.py), the
   grads of the received tensors that carry one to the previous stage after
-  its backward. A stage posts what its last action made together with what
+  its backward (and, once per input shape, which of them got a grad). A stage posts what its last action made together with what
   its next one needs (comm.exchange), and waits only to receive.
 - in the last micro-batch's backward, all_reduce of each bucket of grads
   among the stage's replicas, as soon as it is final (layers.py); at the end,
