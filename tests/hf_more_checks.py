@@ -32,10 +32,11 @@ MOE = dict(num_experts_per_tok=2)
 DEBERTA_INIT, DEBERTA_SCALE = 0.2, 100  # weights x10, relative embeddings x1000: read as zeros, the loss moves by 4e-2
 
 
-def configs(scale=1):
+def configs(scale=1, layers=2):
     """name: (what builds the model, the kind of its inputs); `scale` widens
-    ViT and Mixtral (the memory check: parameters, not activations, dominate)."""
-    wide = dict(hidden_size=32 * scale, intermediate_size=48 * scale)
+    ViT and Mixtral and `layers` deepens them (the memory check: parameters,
+    not activations, dominate, and more blocks than are gathered at once)."""
+    wide = dict(hidden_size=32 * scale, intermediate_size=48 * scale, num_hidden_layers=layers)
     return {
         "falcon": (lambda: T.FalconForCausalLM(T.FalconConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, bos_token_id=0,
@@ -57,7 +58,7 @@ def configs(scale=1):
         "whisper": (lambda: T.WhisperForConditionalGeneration(T.WhisperConfig(
             **SEQ2SEQ, num_mel_bins=8, max_source_positions=8, max_target_positions=16)), "speech"),
         "vit": (lambda: T.ViTForImageClassification(T.ViTConfig(
-            **wide, num_hidden_layers=2, num_attention_heads=4, image_size=8, patch_size=4, num_labels=3)), "image"),
+            **wide, num_attention_heads=4, image_size=8, patch_size=4, num_labels=3)), "image"),
         "convnext": (lambda: T.ConvNextForImageClassification(T.ConvNextConfig(
             hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3, image_size=8,
             layer_scale_init_value=0.5)), "image"),
@@ -87,9 +88,9 @@ def deberta():
     return model
 
 
-def build(name, checkpointing=False, scale=1):
+def build(name, checkpointing=False, scale=1, layers=2):
     torch.manual_seed(0)
-    model = configs(scale)[name][0]()
+    model = configs(scale, layers)[name][0]()
     if checkpointing:  # transformers' default: non-reentrant, which recomputes in backward what forward saved
         model.gradient_checkpointing_enable()
     return model
@@ -202,23 +203,40 @@ def peak_of(name, strategy):
     kind = configs()[name][1]
     with TensorMemory() as memory:
         if strategy == "torch_fsdp2":
-            model = build(name, scale=4)
+            model = build(name, scale=4, layers=8)
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
             for block in blocks_of(model):
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD, foreach=False)
         else:
             wrapper, optimizer = tiny_zero.STRATEGIES[strategy]
-            model = wrapper(build(name, scale=4))
+            model = wrapper(build(name, scale=4, layers=8))
             opt = optimizer(model, lr=LR, eps=EPS, weight_decay=WD)
+            gathered = watch_gathered(model)
         for step in range(2):
             if step == 1:
                 memory.reset_peak()
             loss_of(model, *rows(*inputs(kind, step, dist.get_world_size()), dist.get_rank())).backward()
             opt.step()
             opt.zero_grad()
-        return memory.peak
+        if strategy == "torch_fsdp2":
+            return {"peak": memory.peak}
+        return {"peak": memory.peak, "gathered": gathered[0], "two units": 2 * max(f.numel() * f.element_size()
+                                                                                 for f in model.unit_buffer.values())}
+
+
+def watch_gathered(model):
+    """[the most bytes of gathered units (their buffers' storage) after any gather], kept up to date."""
+    most = [0]
+    wait_for = model.wait_for
+
+    def wait_and_count(*args, **kwargs):
+        wait_for(*args, **kwargs)
+        most[0] = max(most[0], sum(f.untyped_storage().nbytes() for f in model.unit_buffer.values()))
+
+    model.wait_for = wait_and_count
+    return most
 
 
 def memory_against_fsdp2(names):

@@ -220,3 +220,50 @@ def accumulation():
         failures += [f"{strategy} no_sync: {key} differs" for key, v in ref.module.state_dict().items()
                      if not torch.allclose(state[key].float(), v.float(), rtol=RTOL, atol=ATOL)]
     return failures
+
+
+from hooked_parallel_checks import pipeline, tensor  # noqa: E402,F401  (run in the same world)
+from outside_read_checks import gathered_where_read, read_released  # noqa: E402,F401
+
+
+def sync_batchnorm():
+    """A model converted by torch.nn.SyncBatchNorm.convert_sync_batchnorm wraps
+    under every strategy (a hooked module: nothing refused for its class). On
+    the CPU torch refuses it: torch DDP at wrap time, SyncBatchNorm itself at a
+    training forward. Here every strategy raises SyncBatchNorm's own error on
+    every rank at the training forward, and the world goes on; in eval mode
+    every output equals the module's own."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    module = nn.SyncBatchNorm.convert_sync_batchnorm(Net())
+    x = batch(0, world)[0]
+    failures = []
+    try:
+        nn.parallel.DistributedDataParallel(copy.deepcopy(module))
+        failures.append("torch DDP took SyncBatchNorm on the CPU: test it as on a GPU")
+    except ValueError:
+        pass
+    try:
+        copy.deepcopy(module)(x)
+        want_error = None
+    except ValueError as e:
+        want_error = str(e)
+    with torch.no_grad():
+        want = copy.deepcopy(module).eval()(x)
+    for strategy in STRATEGIES:
+        model = tiny_zero.STRATEGIES[strategy][0](copy.deepcopy(module))
+        try:
+            model(x)
+            got_error = None
+        except ValueError as e:
+            got_error = str(e)
+        if got_error != want_error or want_error is None:
+            failures.append(f"{strategy}: a training forward raised {got_error!r}, SyncBatchNorm {want_error!r}")
+        model.eval()
+        with torch.no_grad():
+            got = model(x)
+        if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+            failures.append(f"{strategy}: eval output differs by {(got - want).abs().max():.2e}")
+    probe = torch.ones(1)
+    dist.all_reduce(probe)
+    return failures if probe.item() == world else failures + ["the ranks disagree after the raise"]

@@ -40,3 +40,14 @@ def test_explain_runs_from_any_directory_on_a_small_vocabulary_hf_model(tmp_path
     assert "strategy: tiny_zero.fsdp" in out
     assert "(Ψ = 6,224)" in out  # 2 x 32 x 16 (embedding and head) + 2 layers of 2,592 + the last norm's 16
     assert "strategy: tiny_zero.fsdp" in explain(tmp_path, "tiny")  # an example model, from elsewhere too
+
+
+def test_explain_says_which_modules_train_through_hooks():
+    """explain's line on how each module with parameters is reached: tiny_zero's
+    layers, and the modules trained through hooks, by class (tests/hooked_checks.py's Net)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hooked_checks import Net
+
+    from tiny_zero.explain import ways_line
+    assert ways_line(Net()) == ("layers: 3 of tiny_zero's (Linear x3); 8 through module hooks (Conv2d x1, "
+                                "BatchNorm2d x1, ScaledLinear x1, Scale x1, MultiheadAttention x2, OwnNorm x2)")

@@ -51,8 +51,15 @@ def test_hooked_modules_under_gradient_checkpointing_world_2(world2):
 @pytest.mark.slow
 def test_zero3_and_fsdp_peak_at_most_fsdp2s_on_hooked_models_world_2(world2):
     """A small ViT (its embeddings hooked) and a small Mixtral (its experts and
-    routers hooked): each rank's peak of live tensor bytes over a step, all
-    counted, is at most FSDP2's (fully_shard per block, then the root)."""
+    routers hooked), 8 blocks each: each rank's peak of live tensor bytes over
+    a step, all counted, is at most FSDP2's (fully_shard per block, then the
+    root), measured side by side; and the units' gathered buffers never hold
+    more than two units (the one in use and the one gathered ahead). FSDP2
+    holds more in its backward than these strategies do, so its peak alone
+    would let a run that keeps every gathered unit gathered pass (0.97 of
+    FSDP2's peak for fsdp): the second bound fails it (4 times two units)."""
     for rank, peaks in enumerate(world2["memory"]):
-        for (name, strategy), peak in peaks.items():
-            assert peak <= peaks[name, "torch_fsdp2"], (rank, name, strategy, peak, peaks[name, "torch_fsdp2"])
+        for (name, strategy), got in peaks.items():
+            fsdp2 = peaks[name, "torch_fsdp2"]["peak"]
+            assert got["peak"] <= fsdp2, (rank, name, strategy, got, fsdp2)
+            assert got.get("gathered", 0) <= got.get("two units", 0), (rank, name, strategy, got)

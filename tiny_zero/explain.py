@@ -11,6 +11,7 @@ is the number of buckets or units that the same partitioning makes.
 import argparse
 import importlib.util
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -150,6 +151,20 @@ def sent_lines(module, c, bucket_bytes):
     return lines
 
 
+def ways_line(module):
+    """How the strategy reaches each module that holds parameters: tiny_zero's
+    layers, and the modules it reaches through hooks (docs/module.md), by class."""
+    found = estimate.layers(module)
+    hooked = [m.module for m in found if isinstance(m, estimate.Hooked)]
+    own = [m for m in found if not isinstance(m, estimate.Hooked)]
+
+    def by_class(modules):
+        counts = Counter(type(m).__name__ for m in modules)
+        return ", ".join(f"{name} x{n}" for name, n in counts.items()) or "none"
+    return (f"layers: {len(own)} of tiny_zero's ({by_class(own)}); "
+            f"{len(hooked)} through module hooks ({by_class(hooked)})")
+
+
 def explain(config, model, world_size):
     c = read_config(config, world_size)
     module = build_module(model)
@@ -157,7 +172,7 @@ def explain(config, model, world_size):
     lines = [f"{config} on {world_size} ranks, model {model}, {precision}",
              f"strategy: tiny_zero.{c.strategy}; read tiny_zero/{c.strategy}/ (wrapper.py, layers.py, optim.py)",
              f"batch: {c.train_batch_size} = {c.micro_batch} per rank x {c.accumulation} micro-steps x {world_size} "
-             "ranks", ""]
+             "ranks", ways_line(module), ""]
     held, bucket_bytes = held_lines(module, c)
     lines += held + [""] + sent_lines(module, c, bucket_bytes) + ["", "keys that set something:"]
     lines += [f"  {key}: {what}" for key, what in c.changed]

@@ -1,17 +1,20 @@
 """Misuse turned into clear errors, the same on every rank (a first reader
 may skip this file): a model wrapped
 twice, models that differ across ranks, p.grad of a strategy that keeps
-averaged grads sharded used as if it were the whole grad, and model.<name>
+averaged grads sharded used as if it were the whole grad, a parameter read
+where zero3 and fsdp hold it released (ReleasedReads), and model.<name>
 for an attribute of the wrapped module (ForwardedAttributes, mixed into
 Wrapper)."""
 import functools
 import zlib
 from array import array
+from contextlib import nullcontext
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_leaves  # a foreach op takes lists of grads
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_leaves  # a foreach op takes lists of grads
 
 from . import comm
 
@@ -135,3 +138,58 @@ class ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError("a sharded grad has no data (see ShardedGrad)")
+
+
+def released_reads(wrapper):
+    """ReleasedReads over a zero3 or fsdp wrapper's first forward with grads
+    and its first without, before the gather order is recorded (the others:
+    nothing), so that a model only ever evaluated is not watched forever."""
+    mode = torch.is_grad_enabled()
+    if not wrapper.releases_params or not wrapper.order.recording or mode in wrapper.watched:
+        return nullcontext()
+    wrapper.watched.add(mode)
+    return ReleasedReads(wrapper)
+
+
+# what a parameter may be asked while released: methods, then properties (p.T, p.data: values, not here)
+METADATA = {"size", "dim", "stride", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+            "data_ptr", "untyped_storage", "storage_offset", "is_contiguous", "get_device", "requires_grad_",
+            "__hash__", "__len__", "new_zeros", "new_ones", "new_empty", "new_full", "__set__",
+            "shape", "dtype", "device", "layout", "ndim", "itemsize", "nbytes", "names", "is_cuda", "is_meta",
+            "is_sparse", "is_quantized", "is_nested", "requires_grad", "is_leaf", "grad", "grad_fn", "_version"}
+
+
+class ReleasedReads(TorchFunctionMode):
+    """While a forward runs before the gather order is recorded: a torch
+    function given a parameter of the model whose unit is not gathered
+    (released: zeros of its shape, or on zero3's owner its own values) raises
+    before it computes, naming it. Whether a unit is gathered is the same on
+    every rank, so every rank raises at the same read, with no collective of
+    the pass left waiting. Only the first forwards are watched
+    (released_reads): later steps run the same code, and a steady-state step
+    pays nothing."""
+
+    def __init__(self, wrapper):
+        super().__init__()
+        self.wrapper = wrapper
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", None)
+        if name == "__get__":  # a property: its own name
+            name = getattr(func.__self__, "__name__", None)
+        if name not in METADATA:
+            for t in tree_flatten((args, kwargs or {}))[0]:
+                self.check(t)
+        return func(*args, **(kwargs or {}))
+
+    def check(self, t):
+        wrapper = self.wrapper
+        found = wrapper.unit_of_param.get(id(t)) if isinstance(t, torch.nn.Parameter) else None
+        if found is None or found[0] is not t or found[1] in wrapper.gathered:
+            return
+        raise RuntimeError(
+            f"{wrapper.name_of[t]} was read while released: {type(wrapper).__name__} gathers a parameter only while "
+            "a layer of its unit runs (and frozen ones outside every block through the pass), and this read is "
+            "outside the module that holds it (as in F.linear(x, layer.weight) or x * norm.weight in another "
+            "module); it would read zeros. Use it through its module (a tied nn.Linear head, as GPT-2's), or give "
+            "the other use a parameter of its own")

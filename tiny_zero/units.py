@@ -9,6 +9,7 @@ its slices) is the strategy's too, in its wrapper.py: start_gather(unit)."""
 import torch
 
 from .agreements import agree
+from .guards import released_reads
 from .module import in_backward_pass
 
 
@@ -167,15 +168,20 @@ class Unsharding:
                         "shape), so a copy would hold no values. For an EMA or a reference model, build the module "
                         "again and load model.full_state_dict() into it (on every rank: a collective)")
 
-    def start_gathering(self, units_of, held=()):
+    def start_gathering(self, units_of, groups, units, params_of):
+        """`groups`: find_units'; `units`: every unit; params_of(unit): its parameters."""
+        held = held_for_pass(groups, units, params_of)
+        self.unit_of_param = {id(p): (p, u) for u in units for p in params_of(u)}
         self.order = GatherOrder(units_of)
         self.gathered = {}  # unit -> (its buffer, [its gather's handles]), while its layers use it
         self.prefetched = {}  # unit -> the same, a gather started ahead of use
         self.held = list(held)  # gathered from a forward's first layer to its backward's end (held_for_pass)
+        self.watched = set()  # the grad modes of the forwards ReleasedReads watched (guards.released_reads)
 
     def forward(self, *args, **kwargs):
-        """held_for_pass: gathered with the forward's first layer (units_to_gather), kept where a backward may follow."""
-        out = super().forward(*args, **kwargs)
+        """held_for_pass: gathered with the forward's first layer (units_to_gather), kept where a backward may follow; ReleasedReads."""
+        with released_reads(self):
+            out = super().forward(*args, **kwargs)
         for unit in [u for u in self.held if u in self.gathered] if not torch.is_grad_enabled() else ():
             self.free(unit)  # no backward follows
         return out
@@ -247,3 +253,4 @@ class Unsharding:
                 self.send_bucket(bucket)
             skipped.after_layer()
             skipped = order.next_layer()
+

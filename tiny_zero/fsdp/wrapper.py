@@ -35,7 +35,7 @@ from .. import comm
 from ..buckets import Buckets, buckets_from_runs
 from ..offload.wrapper import HostMemory
 from ..step import Wrapper
-from ..units import Unsharding, find_units, held_for_pass
+from ..units import Unsharding, find_units
 from .layers import LAYER_CLASSES
 
 
@@ -63,7 +63,7 @@ class FSDP(Unsharding, Wrapper):
         self.unit_buffer, self.views = {}, {}  # unit -> its full buffer; [(parameter, its view of it, released)]
         for unit in units if self.releases_params else ():
             self.make_buffer(unit)
-        self.start_gathering(self.units_of, held_for_pass(groups, units, lambda unit: unit.params))
+        self.start_gathering(self.units_of, groups, units, lambda unit: unit.params)
         self.unfinished = []  # (unit, reduce-scatter, its averaged grads, the sum) in flight
 
     def keep_slices(self, units):

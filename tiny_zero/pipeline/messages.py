@@ -92,11 +92,6 @@ def on_the_wire(tensors):
     return [t.detach().contiguous() for t in tensors if t.numel()]
 
 
-def grad_of(tensor):
-    """The grad sent back for a received tensor: zeros where the stage did not use it."""
-    return tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
-
-
 class PointToPoint:
     """Pipeline's sends and receives of activations between neighbour stages, mixed into Pipeline."""
 
@@ -130,6 +125,35 @@ class PointToPoint:
         for t, (_, _, carries) in zip(tensors, layout.tensors):
             t.requires_grad_(carries)
         return unflatten(layout.structure, tensors), [t for t in tensors if t.requires_grad]
+
+    def receive_grads(self, outs, grads):
+        """The grads of the output tensors that carry one, from the next stage;
+        returns (outs, grads) of those a later stage read. Which it read comes
+        after the grads, once per shape of the input (send_grads)."""
+        next_stage = self.rank_of(self.stage + 1)
+        read = self.received_reads.get(self.input_key)
+        flags = torch.empty(len(outs) if read is None else 0, dtype=torch.uint8, device=self.device)
+        self.exchange([(g, next_stage) for g in grads + [flags] if g.numel()])  # STRATEGY: d loss / d out
+        if read is None:
+            read = self.received_reads[self.input_key] = [bool(f) for f in flags.tolist()]
+        kept = [(t, g) for t, g, r in zip(outs, grads, read) if r]
+        return [t for t, _ in kept], [g for _, g in kept]
+
+    def send_grads(self, inputs):
+        """The grads of the received tensors that carry one, back (zeros where
+        none came), and which of them got one (this stage or a later one read
+        it), once per shape of the input: the stage before runs its backward
+        from those only, so a parameter that feeds nothing read gets no grad
+        (None: AdamW skips it, as in torch), not zeros."""
+        read = [x.grad is not None for x in inputs]
+        known = self.sent_reads.setdefault(self.input_key, read)
+        if known != read:
+            raise ValueError(f"stage {self.stage} read {read} of its inputs, where it read {known} for inputs of "
+                             "the same shapes: the stage before learns which once per shape of the input micro-batch")
+        back = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+        if known is read and inputs:  # the first backward of this shape: setdefault kept this list
+            back.append(torch.tensor(read, dtype=torch.uint8, device=self.device))
+        self.outbox += [(g, self.rank_of(self.stage - 1)) for g in on_the_wire(back)]  # STRATEGY: d loss / d inputs
 
     def receive(self, tensor, src):
         """Receive `tensor` from rank src, posted with what the last action made."""

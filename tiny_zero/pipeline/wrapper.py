@@ -17,7 +17,7 @@ Collectives:
   its output to the next stage after its forward (a tensor, or tuples and
   dicts of them; their layout first, once per input shape: messages.py), the
   grads of the received tensors that carry one to the previous stage after
-  its backward. A stage posts what its last action made together with what
+  its backward (and, once per input shape, which of them got a grad). A stage posts what its last action made together with what
   its next one needs (comm.exchange), and waits only to receive.
 - in the last micro-batch's backward, all_reduce of each bucket of grads
   among the stage's replicas, as soon as it is final (layers.py); at the end,
@@ -38,7 +38,7 @@ from ..distributed import init_distributed
 from ..precision import ScaleGrad
 from ..step import Wrapper
 from .layers import LAYER_CLASSES
-from .messages import PointToPoint, flatten, grad_of, on_the_wire, unflatten
+from .messages import PointToPoint, flatten, unflatten
 from .schedule import FORWARD, SCHEDULES
 from .stages import stage_sizes
 
@@ -71,6 +71,7 @@ class Pipeline(PointToPoint, Wrapper):
         self.syncs_this_backward = False  # True in the last micro-batch's backward: buckets are sent as they fill
         # {the shapes of an input micro-batch: the Layout of what this stage sent or received for it}
         self.sent_layouts, self.received_layouts = {}, {}
+        self.sent_reads, self.received_reads = {}, {}  # the same keys: which tensors a later stage read
 
     def hold(self, mine, bucket_bytes):
         """Materialise this stage's parameters only: a flat buffer as DDP's,
@@ -195,15 +196,13 @@ class Pipeline(PointToPoint, Wrapper):
             grads = None  # outs: this micro-batch's share of the loss
         else:
             grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in outs]  # contiguous
-            next_stage = self.rank_of(self.stage + 1)
-            self.exchange([(g, next_stage) for g in grads if g.numel()])  # STRATEGY: d loss / d out
+            outs, grads = self.receive_grads(outs, grads)  # of the outputs a later stage read
         if m == self.microbatches - 1:
             self.syncs_this_backward = self.require_grad_sync  # the grads are final in this backward
         if outs:
             torch.autograd.backward(outs, grads)
         self.buckets.add_held()  # grad hooks run once per micro-batch's backward, as in torch
-        back = on_the_wire([grad_of(x) for x in inputs])
-        self.outbox += [(g, self.rank_of(self.stage - 1)) for g in back]  # STRATEGY: d loss / d inputs, back
+        self.send_grads(inputs)
 
     def loss(self, out, m):
         """The last stage: this micro-batch's loss, kept for the step's mean;

@@ -19,7 +19,7 @@ import torch
 from .. import comm
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs
 from ..step import Wrapper
-from ..units import Unsharding, find_units, held_for_pass
+from ..units import Unsharding, find_units
 from .layers import LAYER_CLASSES
 
 
@@ -48,7 +48,7 @@ class Zero3(Unsharding, Wrapper):
         self.unit_buffer, self.broadcasts, self.views = {}, {}, {}  # per unit: see make_buffer
         for unit in self.unit_params if self.releases_params else ():
             self.make_buffer(unit)
-        self.start_gathering(self.units_of, held_for_pass(groups, self.unit_params, self.unit_params.get))
+        self.start_gathering(self.units_of, groups, self.unit_params, self.unit_params.get)
         self.unfinished = []  # (bucket, its reduce, None, the sum) in flight
 
     def keep_owned(self, owned_buckets):
