@@ -32,7 +32,7 @@ class OptimizerStateDicts:
         self.set_count(i, step)
 
     def state_dict(self):
-        """This rank's state (its shards' moments, the step counts) and the
+        """This rank's state (its shards' exp_avg and exp_avg_sq, the step counts) and the
         param groups, marked with the strategy, rank and world size that made
         it: it loads only there (tiny_zero.checkpoint saves and loads across
         strategies and world sizes). A parameter's count is torch's

@@ -88,7 +88,7 @@ def measure(strategy, model_name, world_size, rank, step=True):
                 opt.step()
             else:
                 for shard in model.shards:
-                    opt.moments(shard)
+                    opt.adam_state(shard)
             held = memory.breakdown()
             held["peak"] = memory.peak
             del model, opt, module
