@@ -45,8 +45,10 @@ def chain(method=None):
             hops.insert(0, f"{file[len(PACKAGE):]}:{frame.f_lineno} {name}")
         frame = frame.f_back
     if method is not None:
-        code = inspect.unwrap(getattr(method, "__func__", method)).__code__
-        hops.append(f"{code.co_filename[len(PACKAGE):]}:{code.co_firstlineno} {code.co_name}")
+        function = inspect.unwrap(getattr(method, "__func__", method))
+        lines, first = inspect.getsourcelines(function)  # from its decorator: the def line is the one to name
+        first += next(i for i, line in enumerate(lines) if line.lstrip().startswith("def "))
+        hops.append(f"{inspect.getsourcefile(function)[len(PACKAGE):]}:{first} {function.__name__}")
     return " > ".join(hops[-3:])
 
 
