@@ -58,6 +58,7 @@ class Tracer:
         self.p = dict(model.module.named_parameters())[name]
         self.unit, self.bucket = model.unit_of_param[id(self.p)][1], model.buckets.of[self.p]
         self.shard, self.lo, self.hi = self.shard_place()
+        self.label = f"shards[{next((i for i, s in enumerate(model.shards) if s is self.shard), None)}]"
         self.name = self.unit_name(self.unit)
         layer = model.module.get_submodule(name.rsplit(".", 1)[0])
         self.originals = [(comm, kind, getattr(comm, kind)) for kind in COLLECTIVES]
@@ -98,6 +99,7 @@ class Tracer:
 
     def add(self, where, what):
         self.events.append((self.phase, what, where))
+        return True
 
     def holds(self):
         """What p.data is now: the released placeholder, or a view of the wrapper's owned or unit_buffer."""
@@ -129,19 +131,16 @@ class Tracer:
         names = [self.model.name_of[p] for p in params]
         return os.path.commonprefix(names).rsplit(".", 1)[0] if len(names) > 1 else names[0].rsplit(".", 1)[0]
 
-    def shard_name(self):
-        return f"shards[{next(i for i, s in enumerate(self.model.shards) if s is self.shard)}]"
-
     # the notes, one per traced method
     def on_gather(self, add, units):
         if self.unit in units:
-            ahead = self.unit in self.model.prefetched
-            add(f"gather {self.name}: " + ("started ahead (prefetched)" if ahead else "start_gather now, not prefetched:"))
-            return not ahead
+            ahead = self.unit in self.model.prefetched  # else its collectives follow, this weight's
+            return add(f"gather {self.name}: " + ("started ahead (prefetched)" if ahead else
+                                                  "start_gather now, not prefetched:")) and not ahead
 
     def on_prefetch(self, add, unit):
         if unit is self.unit and unit not in self.model.prefetched:
-            return add(f"prefetch {self.name}: start_gather ahead of use:") is None
+            return add(f"prefetch {self.name}: start_gather ahead of use:")
 
     def on_wait_for(self, add, units):
         if self.unit in units:
@@ -162,18 +161,19 @@ class Tracer:
             add(f"grad_ready: into bucket {self.bucket.index} ({self.bucket.numel} elements)")
 
     def on_send_bucket(self, add, bucket):
-        return bucket is self.bucket and add(f"send_bucket {bucket.index}") is None
+        if bucket is self.bucket:
+            return add(f"send_bucket {bucket.index}")
 
     def on_finish(self, add, bucket, *_):
         if bucket is self.bucket:
-            kept = f"into model.grads[{self.shard_name()}][{self.lo}:{self.hi}]" if self.shard is not None else "not kept here"
+            kept = f"into model.grads[{self.label}][{self.lo}:{self.hi}]" if self.shard is not None else "not kept here"
             add(f"finish bucket {bucket.index}: waited; the weight's average {kept}; bucket.grads = None")
 
     def on_adamw(self, add, part, *_, **__):
         same = self.shard is not None and part.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr()
         at = (part.data_ptr() - self.shard.data_ptr()) // part.element_size() if same else 0
         if same and at < self.hi and self.lo < at + part.numel():
-            add(f"AdamW steps {self.shard_name()}[{at}:{at + part.numel()}], the weight's [{self.lo}:{self.hi}]")
+            add(f"AdamW steps {self.label}[{at}:{at + part.numel()}], the weight's [{self.lo}:{self.hi}]")
 
 
 def trace(strategy):
@@ -203,6 +203,7 @@ def trace(strategy):
     if model.rank == 0:
         print(f"== {strategy}: {WEIGHT} {tuple(tracer.p.shape)}")
         print("\n".join(f"wrap     rank {rank}: {line}" for rank, (line, _) in enumerate(everyone)))
+        print(f"{'':11}at {chain(getattr(wrapper, 'keep_owned', None) or wrapper.keep_slices)}")
         for number in (1, 2):
             print(f"-- step {number}" + (" (records the gather order)" if number == 1 else " (steady)"))
             show([events[number - 1] for _, events in everyone])
