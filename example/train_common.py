@@ -519,7 +519,7 @@ class Accounting:
             dist.all_gather_object(sent, sent[0])  # plain torch.distributed: not counted in comm.stats
         expected = estimate.experts_comm_per_step(module, args.batch_size, args.seq_len)["all_to_all"]
         mine, whole = estimate.expert_state(module, model.ep_size), estimate.expert_state(module, 1)
-        return [f"experts per rank (parameters, grads, AdamW moments; in 'parameters' above too): {fmt(held)}; "
+        return [f"experts per rank (parameters, grads, AdamW state; in 'parameters' above too): {fmt(held)}; "
                 f"tiny_zero.measure.estimate {fmt(mine)} at --ep-size {model.ep_size}, {fmt(whole)} at 1",
                 f"all_to_all per training step, the ranks' mean: {sum(sent) / len(sent):,.0f} elements; "
                 f"tiny_zero.measure.estimate {expected:,} (counts, dispatch and combine, forward and backward)"]

@@ -124,7 +124,7 @@ def main(argv=None):
               f"{b['max_over_mean']:.4f} | {b['least_loaded']} | {b['loads'][b['least_loaded']]:,} | "
               f"{b['min_over_mean']:.4f} |")
 
-    print("\nmodel state on one rank after one step, MiB (fp32: 4 B params + 4 B grads + 8 B AdamW moments)\n")
+    print("\nmodel state on one rank after one step, MiB (fp32: 4 B params + 4 B grads + 8 B AdamW state)\n")
     print("| strategy | N | rank | parameters | gradients | optimizer state | model state | 16Ψ/N "
           "| model state / (16Ψ/N) | peak during the step | seconds |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -5,8 +5,8 @@ by default) ranks split the experts of each MoE block, and the N / P groups
 of them are replicas of the experts; every rank takes its own rows of the
 batch, as under ddp. --strategy holds the rest of the model (attention,
 norms, embeddings, routers) as ddp, zero1 or zero2 holds it over all N
-ranks. --model moe-tiny or moe-small (example/model.py: an MoE MLP in every
-other block). The run reports the experts a rank holds and the all-to-alls
+ranks. --model moe-small (the default) or moe-tiny (example/model.py: an MoE
+MLP in every other block). The run reports the experts a rank holds and the all-to-alls
 it sent, next to tiny_zero.measure.estimate. Flags: --help.
 """
 import sys
@@ -19,6 +19,7 @@ from tiny_zero.experts import data_parallel
 
 
 def add_flags(parser):
+    parser.set_defaults(model="moe-small")  # the other examples' small GPT, with an MoE MLP every other block
     parser.add_argument("--ep-size", type=int, default=None,
                         help="ranks that split each MoE block's experts (default: every rank)")
     parser.add_argument("--strategy", choices=["ddp", "zero1", "zero2"], default="ddp",
