@@ -15,6 +15,12 @@ def differences(name, got, want):
     return [f"{name}: max difference {(got - want).abs().max().item():.3g}"]
 
 
+def parameters_differ(model, reference, when):
+    """[failures]: each of the wrapped model's whole tensors against the reference's."""
+    full = model.full_state_dict()
+    return [f for name, value in reference.state_dict().items() for f in differences(f"{name} {when}", full[name], value)]
+
+
 def build(kind):
     """The example MoE GPT (top-2 of 4, with the z-loss), or a tiny Mixtral (top-2 of 4 or 8)."""
     if kind == "gpt":
@@ -78,10 +84,7 @@ def model_parity(kind, ep_size, steps=3, strategy="ddp", rows=2, length=8, must_
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    full = model.full_state_dict()
-    for name, value in reference.state_dict().items():
-        failures += differences(f"{name} after {steps} steps", full[name], value)
-    return failures
+    return failures + parameters_differ(model, reference, f"after {steps} steps")
 
 
 def starved(model):
@@ -128,10 +131,7 @@ def accumulate_and_clip(kind, ep_size, strategy="ddp", rows=2, length=8):
     failures += [] if want > 0.05 else [f"the norm {want:.3g} is under the clip: nothing was clipped"]
     opt.step()
     ref_opt.step()
-    full = model.full_state_dict()
-    for name, value in reference.state_dict().items():
-        failures += differences(f"{name} after the step", full[name], value)
-    return failures
+    return failures + parameters_differ(model, reference, "after the step")
 
 
 def estimate_holds(kind, ep_size, rows=2, length=8):
