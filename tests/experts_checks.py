@@ -26,6 +26,12 @@ def build(kind):
     if kind == "gpt":
         from example.model import build_model
         return build_model("moe-tiny", z_loss_coef=1e-3, aux_loss_coef=0.1)
+    if kind == "qwen2moe":  # shared experts beside the routed ones: refused, not dropped
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+        return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            num_experts=4, num_experts_per_tok=2))
     from transformers import MixtralConfig, MixtralForCausalLM
     torch.manual_seed(0)
     config = MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -97,7 +103,7 @@ def starved(model):
 
 
 def refused(kind, ep_size):
-    """The error for experts that do not split over ep_size ranks."""
+    """The error for experts that do not split over ep_size ranks, or for a block with more than a router and experts."""
     from tiny_zero.experts import ExpertParallel
     try:
         ExpertParallel(build(kind), ep_size=ep_size)

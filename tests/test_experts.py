@@ -26,6 +26,8 @@ def check(results):
     for key, per_rank in results.items():
         if key == "refused experts":
             assert all("3 experts do not split over ep_size=2" in message for message in per_rank), per_rank
+        elif key == "refused shared experts":
+            assert all("also holds ['shared_expert', 'shared_expert_gate']" in message for message in per_rank), per_rank
         elif key == "refused size":
             assert all("ep_size=3 must divide the world size 2" in message for message in per_rank), per_rank
         else:
@@ -48,6 +50,7 @@ def test_world2():
         ("estimate mixtral", "estimate_holds", ("mixtral8", 2)),
         ("refused experts", "refused", ("mixtral3", 2)),
         ("refused size", "refused", ("gpt", 3)),
+        ("refused shared experts", "refused", ("qwen2moe", 2)),
     ]))
 
 

@@ -197,6 +197,7 @@ def find_moe_blocks(module, ep_size):
             continue
         if not name:
             raise ValueError(f"{type(module).__name__} is itself an MoE block: wrap the model that holds it")
+        refuse_other_parts(name, block, router_name)
         count = getattr(experts, layout(experts)[0]).shape[0]
         if count % ep_size:
             raise ValueError(f"{name}: {count} experts do not split over ep_size={ep_size} ranks: give an "
@@ -206,6 +207,19 @@ def find_moe_blocks(module, ep_size):
         raise ValueError(f"{type(module).__name__} has no sparse MoE block that tiny_zero.experts knows (a "
                          f"router {' or '.join(ROUTERS)}, experts with 3-D tensors {' or '.join(map(str, LAYOUTS))})")
     return blocks
+
+
+def refuse_other_parts(name, block, router_name):
+    """A block converted must be a router, experts and top_k: anything else it
+    holds (Qwen-MoE's and DeepSeek's shared experts) the layer would drop."""
+    others = [n for n, child in block.named_children()
+              if n not in (router_name, "experts") and any(True for _ in child.parameters())]
+    others += [n for n, _ in block.named_parameters(recurse=False)]
+    if others or not isinstance(getattr(block, "top_k", None), int):
+        has = f"also holds {others}" if others else "has no top_k"
+        raise ValueError(f"{name} ({type(block).__name__}) {has}: tiny_zero.experts converts a block of a router, "
+                         "experts and top_k (Mixtral's), and would drop the rest; train this model under zero3 "
+                         "or fsdp, which take any module")
 
 
 def layout(experts):
