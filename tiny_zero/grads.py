@@ -61,7 +61,7 @@ class TorchGrads:
                     p.grad.zero_()
         indices = set(self.buckets.indices(params))
         if len(indices) == len(self.shown):  # every trainable parameter
-            self.clip_coef = None  # nothing left to clip
+            self.clipping.coef = None  # nothing left to clip
             self.clear_grads(set_to_none)
             self.buckets.clear(keep_got_grad=not set_to_none)
             if set_to_none:

@@ -3,8 +3,8 @@ may skip this file): a model wrapped
 twice, models that differ across ranks, p.grad of a strategy that keeps
 averaged grads sharded used as if it were the whole grad, a parameter read
 where zero3 and fsdp hold it released (ReleasedReads), and model.<name>
-for an attribute of the wrapped module (ForwardedAttributes, mixed into
-Wrapper)."""
+for an attribute of the wrapped module (forwarded_getattr, Wrapper's
+__getattr__)."""
 import functools
 import zlib
 from array import array
@@ -66,32 +66,31 @@ def sequence_hash(numbers):
     return zlib.crc32(array("q", numbers))
 
 
-class ForwardedAttributes:
-    """Wrapper's model.<name> for what the wrapped module has."""
+# What model.<name> finds on the wrapped module, as DeepSpeed's engine
+# forwards it: only what reads no parameter outside a forward (generate's
+# forwards run through the strategy's layers), since a rank may hold only
+# its part of a parameter. Anything else the module has: model.module.<name>.
+FORWARDED = ("generate", "config", "generation_config", "can_generate", "main_input_name",
+             "gradient_checkpointing_enable", "gradient_checkpointing_disable", "enable_input_require_grads")
 
-    # What model.<name> finds on the wrapped module, as DeepSpeed's engine
-    # forwards it: only what reads no parameter outside a forward (generate's
-    # forwards run through the strategy's layers), since a rank may hold only
-    # its part of a parameter. Anything else the module has: model.module.<name>.
-    FORWARDED = ("generate", "config", "generation_config", "can_generate", "main_input_name",
-                 "gradient_checkpointing_enable", "gradient_checkpointing_disable", "enable_input_require_grads")
 
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)  # parameters, buffers, submodules (model.module)
-        except AttributeError:
-            module = self.__dict__.get("_modules", {}).get("module")
-            if module is None or not hasattr(module, name):
-                raise
-        if name == "generate" and not self.params_whole_between_steps and self.world_size > 1:
-            # every forward sends collectives: a rank whose sequences have ended
-            # runs forwards on until every rank's have (Hugging Face's synced_gpus)
-            return functools.partial(module.generate, synced_gpus=True)
-        if name in self.FORWARDED:
-            return getattr(module, name)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}; the wrapped module has: use "
-                             f"model.module.{name}, on every rank alike (outside a forward, a parameter may hold "
-                             "only this rank's part)")
+def forwarded_getattr(model, name):
+    """Wrapper's __getattr__: model.<name> for what the wrapped module has."""
+    try:
+        return torch.nn.Module.__getattr__(model, name)  # parameters, buffers, submodules (model.module)
+    except AttributeError:
+        module = model.__dict__.get("_modules", {}).get("module")
+        if module is None or not hasattr(module, name):
+            raise
+    if name == "generate" and not model.params_whole_between_steps and model.world_size > 1:
+        # every forward sends collectives: a rank whose sequences have ended
+        # runs forwards on until every rank's have (Hugging Face's synced_gpus)
+        return functools.partial(module.generate, synced_gpus=True)
+    if name in FORWARDED:
+        return getattr(module, name)
+    raise AttributeError(f"{type(model).__name__} has no attribute {name!r}; the wrapped module has: use "
+                         f"model.module.{name}, on every rank alike (outside a forward, a parameter may hold "
+                         "only this rank's part)")
 
 
 class ShardedGrad(torch.Tensor):

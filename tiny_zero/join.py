@@ -24,69 +24,53 @@ loop must run one forward, backward and optimizer step per batch (a clip
 too, or not): a shadowing rank runs that, once per forward of the others.
 """
 import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+from torch.distributed.algorithms.join import Join, JoinHook
 from torch.utils._pytree import tree_leaves
 
 
-class Joining(Joinable):
-    """Mixed into Wrapper: torch's Joinable. Outside a Join it does nothing
-    but read whether one is on (_join_config.enable)."""
+class Joining(JoinHook):
+    """Held by Wrapper as model.joining: what a rank keeps inside torch's Join,
+    and the JoinHook (model.join_hook) that shadows the others' iterations
+    once it ran out. Outside a Join the wrapper only reads whether one is on
+    (model._join_config.enable, which torch's Joinable sets)."""
 
-    def __init__(self):
-        super().__init__()  # Joinable sets _join_config, disabled until a Join enables it
-        self.join_inputs = None  # inside Join: the last forward's (args, kwargs), for a shadowed iteration
-        self.join_clip = None  # inside Join: max_norm of the last iteration's clip, None if it did not clip
-        self.join_optimizer = None  # inside Join: the optimizer of the last step
+    def __init__(self, model):
+        self.model = model
+        self.inputs = None  # inside Join: the last forward's (args, kwargs), for a shadowed iteration
+        self.clip = None  # inside Join: max_norm of the last iteration's clip, None if it did not clip
+        self.optimizer = None  # inside Join: the optimizer of the last step
         self.divide_by_initial_world_size = True
 
-    def join_hook(self, divide_by_initial_world_size=True, **kwargs):
+    def hook(self, divide_by_initial_world_size):
         self.divide_by_initial_world_size = divide_by_initial_world_size
-        return ShadowIterations(self)
+        return self
 
-    @property
-    def join_device(self):
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return dist.group.WORLD
-
-    def notify_join(self, args, kwargs):
+    def notify(self, args, kwargs):
         """A forward inside Join, on a rank still training: tell the ranks
         that ran out (their shadowed iteration starts), and keep the batch and
         reset the clip seen, for this rank's own shadowing later."""
-        work = Join.notify_join_context(self)
-        self.join_inputs, self.join_clip = (args, kwargs), None
+        work = Join.notify_join_context(self.model)
+        self.inputs, self.clip = (args, kwargs), None
         if work is not None and not self.divide_by_initial_world_size:
             work.wait()
-            self.buckets.average_over = int(work.result()[0].item())  # the ranks still training
-
-    def shadow_iteration(self):
-        """One iteration on a rank that ran out: the last batch's forward, a
-        backward with zero grads, the last step's clip, the step."""
-        if self.join_inputs is None or self.join_optimizer is None:
-            raise RuntimeError("torch's Join: this rank ran out of batches before its first optimizer step, so "
-                               "it has no iteration to shadow the others' with; give every rank at least one batch")
-        args, kwargs = self.join_inputs
-        with torch.enable_grad():
-            out = self.module(*args, **kwargs)  # not self(...): this rank does not notify
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])  # adds nothing to the sums
-        if self.join_clip is not None:
-            self.clip_grad_norm_(self.join_clip)
-        self.join_optimizer.step()
-        self.join_optimizer.zero_grad()
-
-
-class ShadowIterations(JoinHook):
-    def __init__(self, model):
-        self.model = model
+            self.model.buckets.average_over = int(work.result()[0].item())  # the ranks still training
 
     def main_hook(self):
-        self.model.shadow_iteration()
+        """One iteration on a rank that ran out: the last batch's forward, a
+        backward with zero grads, the last step's clip, the step."""
+        if self.inputs is None or self.optimizer is None:
+            raise RuntimeError("torch's Join: this rank ran out of batches before its first optimizer step, so "
+                               "it has no iteration to shadow the others' with; give every rank at least one batch")
+        args, kwargs = self.inputs
+        with torch.enable_grad():
+            out = self.model.module(*args, **kwargs)  # not model(...): this rank does not notify
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])  # adds nothing to the sums
+        if self.clip is not None:
+            self.model.clip_grad_norm_(self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
 
     def post_hook(self, is_last_joiner):
-        model = self.model
-        model.buckets.average_over = model.replicas
-        model.join_inputs = model.join_clip = model.join_optimizer = None
+        self.model.buckets.average_over = self.model.replicas
+        self.inputs = self.clip = self.optimizer = None

@@ -1,10 +1,10 @@
 """The optimizer step, after backward: the clip, fp16's overflow check and
 AdamW on what this rank holds.
 
-ClipAndScale, mixed into Wrapper: clip_grad_norm_ (the all-reduce of the
-grads' squared norm, where a rank holds only part of them), the scale the
-update multiplies the grads by (unscale and clip), fp16's overflow flag
-(its all-reduce). StrategyAdamW: the optimizer every strategy's optim.py
+Clipping, held by Wrapper as model.clipping: clip_grad_norm_ (the
+all-reduce of the grads' squared norm, where a rank holds only part of
+them), the scale the update multiplies the grads by (unscale and clip),
+fp16's overflow flag (its all-reduce). StrategyAdamW: the optimizer every strategy's optim.py
 points at its wrapper; it steps model.shards with model.grads, per
 parameter group."""
 from itertools import groupby
@@ -17,16 +17,13 @@ from .optim.adamw import check_group, check_hparams, check_options
 from .optimizer_state_dicts import OptimizerStateDicts
 
 
-class ClipAndScale:
-    """Wrapper's clip, the scale the update multiplies the grads by, and fp16's overflow check."""
+class Clipping:
+    """Held by Wrapper as model.clipping: the clip, and what the step
+    multiplies the grads by (unscale and clip), with fp16's overflow check."""
 
-    def check_scale_entered(self):
-        """fp16, as a backward pass begins: it starts from the model's output, where the scale enters."""
-        if self.loss_scaler is not None and not self.scale_entered:
-            raise RuntimeError("fp16: this backward does not start from the model's output, where the loss scale "
-                               "enters (a loss from a submodule's output, model.module.transformer(x)?): its grads "
-                               "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
-                               "loss from model(...) (or model.module(...))")
+    def __init__(self, model):
+        self.model = model
+        self.coef = None  # a clip's coefficient, pending (a 0-d tensor on the grads' device)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
@@ -35,62 +32,60 @@ class ClipAndScale:
         waits for; of the unscaled grads under fp16). Sharded grads are clipped
         in the optimizer's kernel, with the loss scale; where p.grad shows the
         grads (ddp), here, as torch's."""
+        model = self.model
         comm.where = "clip_grad_norm_"
         # every rank clips, by the same max_norm (a rank alone would send the norm's all-reduce alone, or
         # under ddp, which sends none, step its replica apart); checked before the rank's next collective
         agreements.agree("clip_grad_norm_", wait=False, max_norm=agreements.value_hash(float(max_norm)))
-        if self._join_config.enable:  # a rank that runs out clips as its last step did (join.py)
-            self.join_clip = max_norm
-        self.forget_cleared_grads()
-        self.apply_clip()  # a second clip sees the grads of the first, as torch's
-        total_norm = self.grad_square_sum().sqrt()
-        if self.loss_scaler is not None:
-            total_norm = total_norm / self.scale_tensor()
-        self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        if self.grads_shown_whole():
-            self.apply_clip()  # p.grad is model.grads (ddp): clipped now, as torch leaves it, for what edits it next
+        if model._join_config.enable:  # a rank that runs out clips as its last step did (join.py)
+            model.joining.clip = max_norm
+        model.forget_cleared_grads()
+        self.apply()  # a second clip sees the grads of the first, as torch's
+        total_norm = model.grad_square_sum().sqrt()
+        if model.loss_scaler is not None:
+            total_norm = total_norm / model.loss_scaler.on(model.device)
+        self.coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        if model.grads_shown_whole():
+            self.apply()  # p.grad is model.grads (ddp): clipped now, as torch leaves it, for what edits it next
         return total_norm
 
     @torch.no_grad()
-    def apply_clip(self):
-        """Multiply the clip coefficient into model.grads, and forget it. The
-        optimizer's kernel applies it as it reads the grads, and it stays
-        pending after the step (a second step uses the clipped grads, as in
-        torch); whatever else reads or adds to the grads after a clip (a
+    def apply(self):
+        """Multiply the pending clip coefficient into model.grads, and forget
+        it. The optimizer's kernel applies it as it reads the grads, and it
+        stays pending after the step (a second step uses the clipped grads, as
+        in torch); whatever else reads or adds to the grads after a clip (a
         second clip, a backward before zero_grad) gets them as torch's
         clip_grad_norm_ leaves them: clipped, at the cost of this one pass."""
-        if self.clip_coef is not None:
-            for g in self.grads.values():
-                g.mul_(self.clip_coef)
-            self.clip_coef = None
+        if self.coef is not None:
+            for g in self.model.grads.values():
+                g.mul_(self.coef)
+            self.coef = None
 
     def grad_square_sum(self):
         """The sum of the squares of the model's averaged grads, every element
         counted once (a scalar fp32 tensor, the same on every rank)."""
         square_sum = self.local_square_sum()
-        if not self.grads_replicated:
+        if not self.model.grads_replicated:
             comm.all_reduce(square_sum)  # each rank holds a disjoint part
         return square_sum
 
     def local_square_sum(self):
         """This rank's part of grad_square_sum(): the squares of the grads it holds."""
-        square_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in self.grads.values():
+        model = self.model
+        square_sum = torch.zeros((), dtype=torch.float32, device=model.device)
+        for g in model.grads.values():
             square_sum += g.float().square().sum()
         return square_sum
 
     def grad_scale(self):
         """What the optimizer multiplies the grads by: unscale and clip (a
         number, or a 0-d tensor on the grads' device under fp16 or after a clip)."""
-        if self.loss_scaler is not None:
-            scale = self.scale_tensor().reciprocal()
-            return scale if self.clip_coef is None else self.clip_coef * scale
-        return 1.0 if self.clip_coef is None else self.clip_coef
-
-    def where_the_step_runs(self, *values):
-        """The step's scale and skip, on the device of the shards it steps:
-        where they are made (offload moves them to the host)."""
-        return values
+        model = self.model
+        if model.loss_scaler is not None:
+            scale = model.loss_scaler.on(model.device).reciprocal()
+            return scale if self.coef is None else self.coef * scale
+        return 1.0 if self.coef is None else self.coef
 
     @torch.no_grad()
     def found_overflow(self):
@@ -98,10 +93,11 @@ class ClipAndScale:
         device, 1.0 or 0.0, after one all-reduce, so that every rank skips
         alike; the host never reads it (the kernel does: found_inf). None
         without fp16."""
-        if self.loss_scaler is None:
+        model = self.model
+        if model.loss_scaler is None:
             return None
-        bad = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in self.grads.values():
+        bad = torch.zeros((), dtype=torch.float32, device=model.device)
+        for g in model.grads.values():
             bad += (~torch.isfinite(g)).sum()
         comm.all_reduce(bad)
         return (bad > 0).float()
@@ -223,15 +219,15 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         written = model.param_writes()
         stepping = model.stepping(written)
         model.adopt_param_writes(written)  # after the agreement on how many were written
-        found_inf = model.found_overflow()  # fp16: on the device; every rank skips alike, the host never knows
+        found_inf = model.clipping.found_overflow()  # fp16: on the device; every rank skips alike, the host never knows
         # unscaled by the scale the grads were made with
-        self._update(stepping, *model.where_the_step_runs(model.grad_scale(), found_inf))
+        self._update(stepping, *model.where_the_step_runs(model.clipping.grad_scale(), found_inf))
         if found_inf is not None:
             model.loss_scaler.update(found_inf)
             self.skips.add_(found_inf)
         model.sync_params()
         if model._join_config.enable:  # a rank that runs out steps with this optimizer (join.py)
-            model.join_optimizer = self
+            model.joining.optimizer = self
         model.steps += 1
         model.backwards = 0
         return loss

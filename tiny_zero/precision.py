@@ -9,9 +9,10 @@ optimizer divides it out again (inside the AdamW kernel, with clipping).
 Floating-point inputs are cast to the parameters' dtype as they enter the
 model (cast_floating_inputs).
 
-LossScaling, mixed into Wrapper: the loss scale's way into backward
-(ScaleGrad). Its way out in the step, and fp16's overflow check (its
-all-reduce), are in optimizer.py's ClipAndScale, with the clip.
+The loss scale's way into backward: scale_output, a forward hook of the
+wrapped module, and ScaleGrad (check_scale_entered, as a backward begins).
+Its way out in the step, and fp16's overflow check (its all-reduce), are in
+optimizer.py's Clipping, with the clip.
 """
 import torch
 from torch.utils._pytree import tree_map_only
@@ -133,27 +134,23 @@ class LossScaler:
                        self.tensor.device)
 
 
-class LossScaling:
-    """Wrapper's fp16 loss scale: how it enters backward (ScaleGrad) and
-    what the step divides out (grad_scale, optimizer.py)."""
+def scale_output(model, module, args, out):
+    """fp16, a forward hook of the wrapped module (with `model` bound: its
+    wrapper): grads are scaled from where they enter the model, so
+    loss.backward() and model.backward(loss) are the same, and model(x) and
+    model.module(x) too."""
+    if not torch.is_grad_enabled():
+        return out
+    return tree_map_only(torch.Tensor, lambda t: ScaleGrad.apply(t, model) if t.requires_grad else t, out)
 
-    def scale_output(self, module, args, out):
-        """fp16, a forward hook of the module: grads are scaled from where they
-        enter the model, so loss.backward() and model.backward(loss) are the
-        same, and model(x) and model.module(x) too."""
-        if not torch.is_grad_enabled():
-            return out
-        return torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: ScaleGrad.apply(t, self) if t.requires_grad else t, out)
 
-    @property
-    def loss_scale(self):
-        """fp16's loss scale now, a number (a host read: for the user, never the step)."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    def scale_tensor(self):
-        """fp16: the loss scale, a 0-d fp32 tensor on the device (LossScaler)."""
-        return self.loss_scaler.on(self.device)
+def check_scale_entered(model):
+    """fp16, as a backward pass begins: it starts from the model's output, where the scale enters."""
+    if model.loss_scaler is not None and not model.scale_entered:
+        raise RuntimeError("fp16: this backward does not start from the model's output, where the loss scale "
+                           "enters (a loss from a submodule's output, model.module.transformer(x)?): its grads "
+                           "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
+                           "loss from model(...) (or model.module(...))")
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -167,8 +164,9 @@ class ScaleGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.model.scale_entered = True
-        return ScaleGrad.times(grad, ctx.model.scale_tensor()), None
+        model = ctx.model
+        model.scale_entered = True
+        return ScaleGrad.times(grad, model.loss_scaler.on(model.device)), None
 
     @staticmethod
     def times(grad, scale):

@@ -53,17 +53,17 @@ from contextlib import contextmanager
 from itertools import compress
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.join import Joinable
 
 from . import agreements, comm
 from .grads import TorchGrads
-from .guards import ForwardedAttributes, sequence_hash
+from .guards import forwarded_getattr, sequence_hash
 from .holding import Holding
 from .hooked import HookedLayer
-from .join import Joining
 from .module import DEFAULT_CLASSES, expects_backward, in_backward_pass, recorded
-from .optimizer import ClipAndScale
-from .precision import LossScaling
+from .precision import check_scale_entered
 from .state_dicts import WrapperStateDicts
 from .wrapping import ConversionGuard, Wrapping, check_backward_once
 
@@ -141,8 +141,7 @@ def layer_classes(*classes):
     return out
 
 
-class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperStateDicts, ForwardedAttributes, Joining,
-              nn.Module):
+class Wrapper(Wrapping, TorchGrads, Holding, WrapperStateDicts, Joinable, nn.Module):
     """What every strategy's wrapper shares. A strategy sets layer_classes and
     fills in the moments below (and zero_grad's clear_grads, p.grad's
     grad_attr, the state dicts' pieces and full_values); the backward's
@@ -159,6 +158,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
     # True: nothing is sent from a step to the next backward (ddp): the step's
     # agreement goes out with that backward's, one round trip for both
     defer_step_agreement = False
+    __getattr__ = forwarded_getattr  # model.<name>: what nn.Module finds, then what guards.py forwards from the module
 
     # ------------------------------------------------------------ the wrapper's moments
 
@@ -231,11 +231,20 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
     def skip_to(self, layer):
         """zero3, fsdp (units.Unsharding): catch up with layers whose backward did not run on this rank."""
 
+    def grad_square_sum(self):
+        """The clip's sum of the squares of the averaged grads, each counted once (optimizer.py: Clipping)."""
+        return self.clipping.grad_square_sum()
+
+    def where_the_step_runs(self, *values):
+        """The step's scale and skip, on the device of the shards it steps:
+        where they are made (offload moves them to the host)."""
+        return values
+
     # ------------------------------------------------------------ one step's bookkeeping
 
     def forward(self, *args, **kwargs):
         if self._join_config.enable:  # inside torch's Join: ranks that ran out shadow this iteration (join.py)
-            self.notify_join(args, kwargs)
+            self.joining.notify(args, kwargs)
         if self.buffers_to_sync and self.sync_buffers:
             self.broadcast_buffers()  # as torch DDP's broadcast_buffers: the first forward, and one after a
         self.sync_buffers = self.require_grad_sync and torch.is_grad_enabled()  # forward that trained outside no_sync
@@ -272,7 +281,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
         before any collective of it; the end of the pass is queued."""
         if self.in_backward:
             return
-        self.check_scale_entered()  # fp16; before any collective: every rank raises alike
+        check_scale_entered(self)  # fp16; before any collective: every rank raises alike
         self.before_backward()
         agreements.agree("this backward pass", wait=False,  # checked before its first collective
                    step=self.steps, backward=self.backwards, no_sync=int(not self.require_grad_sync),
@@ -289,7 +298,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
         clears that grad, one assigned is remembered, a clip is applied."""
         self.forget_cleared_grads()
         self.remember_assigned_grads()
-        self.apply_clip()  # grads kept from before a clip (no zero_grad) add up clipped, as torch's
+        self.clipping.apply()  # grads kept from before a clip (no zero_grad) add up clipped, as torch's
 
     def backward_done(self):
         comm.where = "the end of the backward pass"
@@ -307,3 +316,26 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
                     p.grad = shown
             self.showing.update(got)
         self.buckets.end_backward()
+
+    # ------------------------------------------------------------ what users and torch call, done in what it holds
+
+    @property
+    def loss_scale(self):
+        """fp16's loss scale now, a number, 1.0 without fp16 (a host read: precision.py's LossScaler)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def clip_grad_norm_(self, max_norm):
+        """torch's clip_grad_norm_ on the unsharded model; returns the norm before clipping (optimizer.py: Clipping)."""
+        return self.clipping.clip_grad_norm_(max_norm)
+
+    def join_hook(self, divide_by_initial_world_size=True, **kwargs):
+        """torch's Join: the hook that shadows the others' iterations once this rank ran out (join.py: Joining)."""
+        return self.joining.hook(divide_by_initial_world_size)
+
+    @property
+    def join_device(self):
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD

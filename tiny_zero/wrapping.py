@@ -3,6 +3,7 @@ the checks, the layers swapped for the strategy's, every parameter's name,
 shape and index, and the refusal of a conversion after wrapping. Mixed into
 step.py's Wrapper, before the strategy's own __init__ lays out what a rank
 holds."""
+from functools import partial
 from operator import attrgetter
 
 import torch
@@ -12,8 +13,10 @@ from .buckets import ParamSet
 from .distributed import init_distributed, local_device
 from .guards import check_not_wrapped, check_same_model_on_all_ranks
 from .hooked import HookedLayer
+from .join import Joining
 from .module import CallbackLayer, hooked_modules, swap_layers
-from .precision import LossScaler, cast_floating_inputs, check_param_dtypes, param_dtype
+from .optimizer import Clipping
+from .precision import LossScaler, cast_floating_inputs, check_param_dtypes, param_dtype, scale_output
 from .state_dicts import param_versions
 
 REQUIRES_GRAD = attrgetter("requires_grad")  # read by map(), over many parameters in C
@@ -60,7 +63,7 @@ class Wrapping:
         self.module = module
         self.scale_entered = False  # fp16: the loss scale entered the backward running now (ScaleGrad)
         if self.loss_scaler is not None:
-            module.register_forward_hook(self.scale_output)
+            module.register_forward_hook(partial(scale_output, self))
         self.guard_module_state_dicts()  # model.module.state_dict() and load_state_dict() (state_dicts.py)
         self.named_params = list(module.named_parameters())  # tied parameters appear once
         self.name_of = {p: name for name, p in self.named_params}  # looked up when wrapping and in errors, not per step
@@ -72,7 +75,8 @@ class Wrapping:
         self.host = []  # what a rank keeps in host memory, off its device (offload: what the step reads and writes)
         self.buckets = None
         self.require_grad_sync = True
-        self.clip_coef = None  # a clip's coefficient, pending (a 0-d tensor on the grads' device)
+        self.clipping = Clipping(self)  # the clip, and the step's scale of the grads (optimizer.py)
+        self.joining = Joining(self)  # what a rank keeps inside torch's Join (join.py)
         self.steps = 0  # optimizer steps taken
         self.backwards = 0  # backward passes since the last step
         self.in_backward = False

@@ -270,10 +270,11 @@ class Pipeline(PointToPoint, Wrapper):
             return self.buckets.of[param].view(self.flat_grads, param)  # held whole, as under DDP
         return self.sharded_grad(param)
 
-    def local_square_sum(self):
+    def grad_square_sum(self):
         """Each stage's grads once: the first replica's (the others hold the same)."""
-        square_sum = super().local_square_sum()
-        return square_sum if self.replica == 0 else square_sum.zero_()
+        square_sum = self.clipping.local_square_sum()
+        comm.all_reduce(square_sum if self.replica == 0 else square_sum.zero_())
+        return square_sum
 
     # ------------------------------------------------------------ parameters
 
