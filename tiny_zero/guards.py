@@ -1,10 +1,10 @@
 """Misuse turned into clear errors, the same on every rank (a first reader
-may skip this file): a model wrapped
-twice, models that differ across ranks, p.grad of a strategy that keeps
-averaged grads sharded used as if it were the whole grad, a parameter read
-where zero3 and fsdp hold it released (ReleasedReads), and model.<name>
-for an attribute of the wrapped module (forwarded_getattr, Wrapper's
-__getattr__)."""
+may skip this file): a model wrapped twice, models that differ across
+ranks, an fp16 backward that the loss scale does not enter, p.grad of a
+strategy that keeps averaged grads sharded used as if it were the whole
+grad, a parameter read where zero3 and fsdp hold it released
+(ReleasedReads), and model.<name> for an attribute of the wrapped module
+(forwarded_getattr, Wrapper's __getattr__)."""
 import functools
 import zlib
 from array import array
@@ -50,6 +50,15 @@ def check_same_model_on_all_ranks(module):
             first = next((f"{a} vs {b}" for a, b in zip(mine, theirs) if a != b),
                          f"{len(mine)} vs {len(theirs)} parameters")
             raise RuntimeError(f"the model differs across ranks (this rank vs rank {rank}): {first}")
+
+
+def check_scale_entered(model):
+    """fp16, as a backward pass begins: it starts from the model's output, where the scale enters."""
+    if model.loss_scaler is not None and not model.scale_entered:
+        raise RuntimeError("fp16: this backward does not start from the model's output, where the loss scale "
+                           "enters (a loss from a submodule's output, model.module.transformer(x)?): its grads "
+                           "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
+                           "loss from model(...) (or model.module(...))")
 
 
 def parameter_hash(buckets, params):

@@ -10,9 +10,10 @@ Floating-point inputs are cast to the parameters' dtype as they enter the
 model (cast_floating_inputs).
 
 The loss scale's way into backward: scale_output, a forward hook of the
-wrapped module, and ScaleGrad (check_scale_entered, as a backward begins).
-Its way out in the step, and fp16's overflow check (its all-reduce), are in
-optimizer.py's Clipping, with the clip.
+wrapped module, and ScaleGrad (guards.py's check_scale_entered, as a
+backward begins, refuses a backward it did not enter). Its way out in the
+step, and fp16's overflow check (its all-reduce), are in optimizer.py's
+Clipping, with the clip.
 """
 import torch
 from torch.utils._pytree import tree_map_only
@@ -142,15 +143,6 @@ def scale_output(model, module, args, out):
     if not torch.is_grad_enabled():
         return out
     return tree_map_only(torch.Tensor, lambda t: ScaleGrad.apply(t, model) if t.requires_grad else t, out)
-
-
-def check_scale_entered(model):
-    """fp16, as a backward pass begins: it starts from the model's output, where the scale enters."""
-    if model.loss_scaler is not None and not model.scale_entered:
-        raise RuntimeError("fp16: this backward does not start from the model's output, where the loss scale "
-                           "enters (a loss from a submodule's output, model.module.transformer(x)?): its grads "
-                           "would reach the optimizer unscaled, and it divides them by the scale. Compute the "
-                           "loss from model(...) (or model.module(...))")
 
 
 class ScaleGrad(torch.autograd.Function):

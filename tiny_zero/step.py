@@ -59,11 +59,10 @@ from torch.distributed.algorithms.join import Joinable
 
 from . import agreements, comm
 from .grads import TorchGrads
-from .guards import forwarded_getattr, sequence_hash
+from .guards import check_scale_entered, forwarded_getattr, sequence_hash
 from .holding import Holding
 from .hooked import HookedLayer
 from .module import DEFAULT_CLASSES, expects_backward, in_backward_pass, recorded
-from .precision import check_scale_entered
 from .state_dicts import WrapperStateDicts
 from .wrapping import ConversionGuard, Wrapping, check_backward_once
 
