@@ -146,9 +146,10 @@ class Wrapper(Wrapping, TorchGrads, Holding, WrapperStateDicts, Joinable, nn.Mod
     grad_attr, the state dicts' pieces and full_values); the backward's
     bookkeeping, no_sync, model.grads and the step's agreement are here.
     Apart: the wrap-time setup in wrapping.py, p.grad's conventions in
-    grads.py, what a rank holds in holding.py, the clip in optimizer.py,
-    fp16's scale in precision.py, state dicts in state_dicts.py,
-    model.<name> in guards.py."""
+    grads.py, what a rank holds in holding.py, the clip in optimizer.py
+    (model.clipping), fp16's scale in precision.py, state dicts in
+    state_dicts.py, model.<name> in guards.py, torch's Join in join.py
+    (model.joining)."""
 
     layer_classes = None  # {torch layer class: this strategy's layer class}: its layers.py's LAYER_CLASSES
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
@@ -157,7 +158,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, WrapperStateDicts, Joinable, nn.Mod
     # True: nothing is sent from a step to the next backward (ddp): the step's
     # agreement goes out with that backward's, one round trip for both
     defer_step_agreement = False
-    __getattr__ = forwarded_getattr  # model.<name>: what nn.Module finds, then what guards.py forwards from the module
+    __getattr__ = forwarded_getattr  # model.<name>: what nn.Module finds, then what guards.py forwards
 
     # ------------------------------------------------------------ the wrapper's moments
 
@@ -320,7 +321,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, WrapperStateDicts, Joinable, nn.Mod
 
     @property
     def loss_scale(self):
-        """fp16's loss scale now, a number, 1.0 without fp16 (a host read: precision.py's LossScaler)."""
+        """fp16's loss scale now, a number (a host read: for the user, never the step; precision.py's LossScaler)."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def clip_grad_norm_(self, max_norm):
@@ -333,8 +334,10 @@ class Wrapper(Wrapping, TorchGrads, Holding, WrapperStateDicts, Joinable, nn.Mod
 
     @property
     def join_device(self):
+        """torch's Join: where its all-reduces run."""
         return self.device
 
     @property
     def join_process_group(self):
+        """torch's Join: the ranks its all-reduces span."""
         return dist.group.WORLD
