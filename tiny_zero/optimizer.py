@@ -41,13 +41,13 @@ class ClipAndScale:
         agreements.agree("clip_grad_norm_", wait=False, max_norm=agreements.value_hash(float(max_norm)))
         if self._join_config.enable:  # a rank that runs out clips as its last step did (join.py)
             self.join_clip = max_norm
-        self.forget_cleared_grads()
+        self.torch_grads.forget_cleared_grads()
         self.apply_clip()  # a second clip sees the grads of the first, as torch's
         total_norm = self.grad_square_sum().sqrt()
         if self.loss_scaler is not None:
             total_norm = total_norm / self.scale_tensor()
         self.clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        if self.grads_shown_whole():
+        if self.torch_grads.grads_shown_whole():
             self.apply_clip()  # p.grad is model.grads (ddp): clipped now, as torch leaves it, for what edits it next
         return total_norm
 
