@@ -2,42 +2,44 @@
 what p.grad shows, zero_grad (of all parameters or some), a p.grad set
 to None or assigned by the user, grads that autograd made outside a layer,
 and a grad that came on another rank only; at the optimizer step, the
-parameters that step (stepping), which every rank agrees on. Mixed into
-Wrapper."""
-from itertools import repeat
+parameters that step (stepping), which every rank agrees on. Held by
+Wrapper as model.torch_grads."""
+from itertools import compress, repeat
 from operator import attrgetter, is_, is_not
 
 import torch
 
 from . import agreements, comm
+from .buckets import ParamSet
 from .guards import ShardedGrad, parameter_hash
 
 GRAD = attrgetter("grad")  # read by map(), over many parameters in C
 
 
 class TorchGrads:
-    """Wrapper's methods that keep torch's p.grad conventions."""
+    """p.grad as torch keeps it, for one wrapper (self.model), whose strategy
+    fills in what p.grad shows (grad_attr) and zero_grad's clear_grads."""
 
-    def clear_grads(self, set_to_none):
-        """zero_grad(): drop (or zero) the local bucket grads and model.grads."""
-        raise NotImplementedError
-
-    def grad_attr(self, param):
-        """What p.grad shows once param has a grad: a view of its averaged grad
-        where a rank holds it whole, else a ShardedGrad that raises when used."""
-        raise NotImplementedError
+    def __init__(self, model, buckets):
+        self.model = model  # the wrapper
+        # by a trainable parameter's index in buckets (model.buckets):
+        self.shown = [None] * len(buckets.params)  # what its p.grad shows (grad_attr), made once (None: not yet)
+        self.shown_whole = False  # some p.grad is a view of model.grads (all_shown)
+        self.showing = ParamSet(buckets)  # the parameters whose p.grad backward_done set, until zero_grad
+        self.assigned = {}  # index -> (its p.grad, version) set by the user, as a backward began
 
     def shown_grad(self, p):
-        return self.all_shown()[self.buckets.index[id(p)]]
+        return self.all_shown()[self.model.buckets.index[id(p)]]
 
     def all_shown(self):
         """What each trainable parameter's p.grad shows once it has a grad, by
         index (shown), every entry made once."""
         shown = self.shown
         if any(map(is_, shown, repeat(None))):  # before the first backward's end only
-            for i, p in enumerate(self.buckets.params):
+            model = self.model
+            for i, p in enumerate(model.buckets.params):
                 if shown[i] is None:
-                    shown[i] = self.grad_attr(p)
+                    shown[i] = model.grad_attr(p)
             self.shown_whole = not all(isinstance(g, ShardedGrad) for g in shown)
         return shown
 
@@ -47,11 +49,20 @@ class TorchGrads:
         self.all_shown()
         return self.shown_whole
 
+    def show(self, got):
+        """The end of a backward outside no_sync(): the parameters of `got` (a
+        ParamSet) whose p.grad is None show their grads."""
+        for p, shown in compress(zip(self.model.buckets.params, self.all_shown()), got.marks):
+            if p.grad is None:
+                p.grad = shown
+        self.showing.update(got)
+
     def zero_grad(self, set_to_none=True, params=None):
         """As torch's: p.grad None (or zero), and the wrapper's grads with it,
         for every parameter or those in `params` (an optimizer's: others keep
         accumulating, as in torch)."""
-        params = [p for _, p in self.named_params] if params is None else list(params)
+        model = self.model
+        params = [p for _, p in model.named_params] if params is None else list(params)
         if set_to_none:
             for p in params:
                 p.grad = None
@@ -59,14 +70,14 @@ class TorchGrads:
             for p in params:
                 if p.grad is not None and not isinstance(p.grad, ShardedGrad):
                     p.grad.zero_()
-        indices = set(self.buckets.indices(params))
+        indices = set(model.buckets.indices(params))
         if len(indices) == len(self.shown):  # every trainable parameter
-            self.clipping.coef = None  # nothing left to clip
-            self.clear_grads(set_to_none)
-            self.buckets.clear(keep_got_grad=not set_to_none)
+            model.clipping.coef = None  # nothing left to clip
+            model.clear_grads(set_to_none)
+            model.buckets.clear(keep_got_grad=not set_to_none)
             if set_to_none:
                 self.showing.clear()
-                self.grads_written.clear()
+                model.grads_written.clear()
         else:
             if set_to_none:
                 for i in indices:
@@ -83,12 +94,12 @@ class TorchGrads:
         shown = list(self.showing)
         if all(map(is_not, map(GRAD, shown), repeat(None))):  # the test, one pass in C: none cleared
             return
-        self.zero_grad(params=[p for p in shown if p.grad is None])
+        self.model.zero_grad(params=[p for p in shown if p.grad is None])
 
     def remember_assigned_grads(self):
         """The p.grad tensors that the wrapper did not make, as a backward
         begins (assigned by the user: ddp steps with them, as torch would)."""
-        grads = list(map(GRAD, self.buckets.params))
+        grads = list(map(GRAD, self.model.buckets.params))
         if all(map(is_, grads, repeat(None))) or all(map(is_, grads, self.shown)):  # the usual: none assigned
             self.assigned = {}
             return
@@ -101,14 +112,15 @@ class TorchGrads:
         x * norm.weight), where no strategy sees its grad, and it would be
         stepped without it (zero3 and fsdp even computed with a released
         parameter there)."""
-        grads = list(map(GRAD, self.buckets.params))
+        model = self.model
+        grads = list(map(GRAD, model.buckets.params))
         if all(map(is_, grads, repeat(None))) or all(map(is_, grads, self.shown)):  # the usual, one pass in C
             return
-        for i in self.trainable_indices:  # in the model's order: the first such parameter is named
+        for i in model.trainable_indices:  # in the model's order: the first such parameter is named
             grad, before = grads[i], self.assigned.get(i, (None, None))
             if grad is None or grad is self.shown[i] or (grad is before[0] and grad._version == before[1]):
                 continue
-            name = self.name_of[self.buckets.params[i]]
+            name = model.name_of[model.buckets.params[i]]
             raise RuntimeError(f"{name} got a grad from autograd: it was used outside the layer that "
                                "holds it (as in F.linear(x, layer.weight) or x * norm.weight), where the strategy "
                                "neither gathers it nor sees its grad; use it through its layer (a tied nn.Linear "
@@ -119,12 +131,13 @@ class TorchGrads:
         """zero_grad of some parameters only (`indices`: the indices of the
         trainable ones): their places in model.grads and in the buckets are
         zeroed (what the others hold stays)."""
-        names = {self.name_of[p] for p in params if p in self.name_of}
-        for piece in self.all_pieces():
-            grads = self.grads.get(piece.tensor)
+        model = self.model
+        names = {model.name_of[p] for p in params if p in model.name_of}
+        for piece in model.all_pieces():
+            grads = model.grads.get(piece.tensor)
             if grads is not None and piece.name in names:
                 grads[piece.offset:piece.offset + piece.hi - piece.lo].zero_()
-        buckets = self.buckets
+        buckets = model.buckets
         for i in indices:
             bucket = buckets.list[buckets.home[i]]
             if bucket.grads is not None:
@@ -135,8 +148,8 @@ class TorchGrads:
                 buckets.expected.marks[i] = 0
 
     def refuse_foreign_grad(self, p):
-        raise RuntimeError(f"{self.name_of[p]} has a p.grad that tiny_zero's layers did not make (the parameter was "
-                           "used outside its layer, or p.grad was assigned): it would be ignored")
+        raise RuntimeError(f"{self.model.name_of[p]} has a p.grad that tiny_zero's layers did not make (the parameter "
+                           "was used outside its layer, or p.grad was assigned): it would be ignored")
 
     def got_elsewhere(self, missing, stepping, everyone_missed, all_alike=False):
         """The parameters of `missing` (a forward on every rank used them; no
@@ -150,57 +163,56 @@ class TorchGrads:
         tells by the averaged grads, which it holds whole: zero where no rank
         had a grad. (Where the ranks that had one all had exact zeros, they
         step it and this rank does not: the step's check then fails.)"""
+        model = self.model
         if everyone_missed is None:
             got = [p for p in missing if self.averaged_grad(p).any()]  # a host read, where a grad is missing only
         elif everyone_missed and all_alike:
             got = []
         elif everyone_missed:
-            names = self.param_names()
+            names = model.param_names()
             candidates = sorted(stepping + list(missing), key=names.get)  # the same on every rank (agreed)
             missing = set(missing)
-            flags = torch.tensor([float(p not in missing) for p in candidates], device=self.device)
-            comm.all_reduce(flags, group=self.replica_group)
+            flags = torch.tensor([float(p not in missing) for p in candidates], device=model.device)
+            comm.all_reduce(flags, group=model.replica_group)
             got = [p for p, n in zip(candidates, flags.tolist()) if p in missing and n > 0]
         else:
             got = list(missing)
         for p in got:
-            self.buckets.got_grad.add(p)
+            model.buckets.got_grad.add(p)
             p.grad = self.shown_grad(p)
             self.showing.add(p)
         return got
 
     def averaged_grad(self, p):
         """p's averaged grad, where this rank holds it whole (one piece)."""
-        piece = next(piece for piece in self.all_pieces() if piece.name == self.name_of[p])
-        return self.grads[piece.tensor][piece.offset:piece.offset + piece.hi - piece.lo]
+        model = self.model
+        piece = next(piece for piece in model.all_pieces() if piece.name == model.name_of[p])
+        return model.grads[piece.tensor][piece.offset:piece.offset + piece.hi - piece.lo]
 
     def take_assigned_grad(self, name, p):
         """p.grad was replaced by another tensor: copy it in where the rank holds
         the grad whole (ddp), as torch would step with it; else refuse."""
         mine = self.shown_grad(p)
         if isinstance(mine, ShardedGrad):
-            raise RuntimeError(f"p.grad of {name} was replaced, but {type(self).__name__} keeps averaged grads "
+            raise RuntimeError(f"p.grad of {name} was replaced, but {type(self.model).__name__} keeps averaged grads "
                                "sharded: change grads through model.clip_grad_norm_ and the optimizer only")
         mine.copy_(p.grad)
         p.grad = mine
-
-    def sharded_grad(self, param):
-        """What p.grad shows where the averaged grad is sharded (grad_attr)."""
-        return ShardedGrad(param, type(self).__name__)
 
     def stepping(self, written):
         """The parameters the optimizer steps now: those whose p.grad is set,
         as torch.optim (zero_grad(set_to_none=True), or no grad in any backward
         since, leaves it None). Every rank agrees on them, and on how many
         parameters were `written` in place (param_writes) since the last step."""
+        model = self.model
         self.forget_cleared_grads()
-        self.check_requires_grad()
-        buckets, got, shown = self.buckets, self.buckets.got_grad.marks, self.all_shown()
+        model.check_requires_grad()
+        buckets, got, shown = model.buckets, model.buckets.got_grad.marks, self.all_shown()
         if all(got) and all(map(is_, map(GRAD, buckets.params), shown)):  # the usual, in C: every grad as backward left it
-            stepping = [buckets.params[i] for i in self.trainable_indices]
+            stepping = [buckets.params[i] for i in model.trainable_indices]
         else:
             stepping = []
-            for i in self.trainable_indices:
+            for i in model.trainable_indices:
                 p = buckets.params[i]
                 grad = p.grad
                 if grad is None:
@@ -208,22 +220,22 @@ class TorchGrads:
                 if not got[i]:
                     self.refuse_foreign_grad(p)
                 if grad is not shown[i]:
-                    self.take_assigned_grad(self.name_of[p], p)
+                    self.take_assigned_grad(model.name_of[p], p)
                 stepping.append(p)
-        for p in self.frozen:
+        for p in model.frozen:
             if p.grad is not None:
                 self.refuse_foreign_grad(p)
         missing = buckets.missing()  # got a grad on another rank, or none
-        if missing and self.defer_step_agreement:  # the check below waits for the next backward: tell by the values
+        if missing and model.defer_step_agreement:  # the check below waits for the next backward: tell by the values
             stepping += self.got_elsewhere(missing, stepping, everyone_missed=None)
             missing = []
-        spread = agreements.agree("the optimizer step", group=self.replica_group, wait=bool(missing), step=self.steps,
-                            defer=self.defer_step_agreement,
+        spread = agreements.agree("the optimizer step", group=model.replica_group, wait=bool(missing), step=model.steps,
+                            defer=model.defer_step_agreement,
                             parameters=parameter_hash(buckets, stepping + missing),
                             parameters_written_in_place=len(written), grads_missing=agreements.Spread(len(missing)),
                             grads_missing_named=agreements.Spread(parameter_hash(buckets, missing)))
         if missing:
             (fewest, _), (low, high) = spread["grads_missing"], spread["grads_missing_named"]
             stepping += self.got_elsewhere(missing, stepping, everyone_missed=fewest > 0, all_alike=low == high)
-        self.buckets.expected.clear()  # the next step expects the grads of forwards after this one
+        buckets.expected.clear()  # the next step expects the grads of forwards after this one
         return stepping

@@ -39,13 +39,13 @@ class Clipping:
         agreements.agree("clip_grad_norm_", wait=False, max_norm=agreements.value_hash(float(max_norm)))
         if model._join_config.enable:  # a rank that runs out clips as its last step did (join.py)
             model.joining.clip = max_norm
-        model.forget_cleared_grads()
+        model.torch_grads.forget_cleared_grads()
         self.apply()  # a second clip sees the grads of the first, as torch's
         total_norm = model.grad_square_sum().sqrt()
         if model.loss_scaler is not None:
             total_norm = total_norm / model.loss_scaler.on(model.device)
         self.coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        if model.grads_shown_whole():
+        if model.torch_grads.grads_shown_whole():
             self.apply()  # p.grad is model.grads (ddp): clipped now, as torch leaves it, for what edits it next
         return total_norm
 

@@ -50,7 +50,6 @@ torch.optim. Ranks that are about to run different collectives find out
 first (agreements.agree) and raise the same error.
 """
 from contextlib import contextmanager
-from itertools import compress
 
 import torch
 import torch.distributed as dist
@@ -58,8 +57,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.join import Joinable
 
 from . import agreements, comm
-from .grads import TorchGrads
-from .guards import check_scale_entered, forwarded_getattr, sequence_hash
+from .guards import ShardedGrad, check_scale_entered, forwarded_getattr, sequence_hash
 from .holding import Holding
 from .hooked import HookedLayer
 from .module import DEFAULT_CLASSES, expects_backward, in_backward_pass, recorded
@@ -140,16 +138,16 @@ def layer_classes(*classes):
     return out
 
 
-class Wrapper(Wrapping, TorchGrads, Holding, WrapperStateDicts, Joinable, nn.Module):
+class Wrapper(Wrapping, Holding, WrapperStateDicts, Joinable, nn.Module):
     """What every strategy's wrapper shares. A strategy sets layer_classes and
     fills in the moments below (and zero_grad's clear_grads, p.grad's
     grad_attr, the state dicts' pieces and full_values); the backward's
     bookkeeping, no_sync, model.grads and the step's agreement are here.
     Apart: the wrap-time setup in wrapping.py, p.grad's conventions in
-    grads.py, what a rank holds in holding.py, the clip in optimizer.py
-    (model.clipping), fp16's scale in precision.py, state dicts in
-    state_dicts.py, model.<name> in guards.py, torch's Join in join.py
-    (model.joining)."""
+    grads.py (model.torch_grads), what a rank holds in holding.py, the
+    clip in optimizer.py (model.clipping), fp16's scale in precision.py,
+    state dicts in state_dicts.py, model.<name> in guards.py, torch's Join
+    in join.py (model.joining)."""
 
     layer_classes = None  # {torch layer class: this strategy's layer class}: its layers.py's LAYER_CLASSES
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
@@ -172,6 +170,29 @@ class Wrapper(Wrapping, TorchGrads, Holding, WrapperStateDicts, Joinable, nn.Mod
         """Moment: after the optimizer step (and after a load): make the
         parameters the layers compute with match the shards it stepped."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------ p.grad (grads.py: TorchGrads)
+
+    def clear_grads(self, set_to_none):
+        """zero_grad(): drop (or zero) the local bucket grads and model.grads."""
+        raise NotImplementedError
+
+    def grad_attr(self, param):
+        """What p.grad shows once param has a grad: a view of its averaged grad
+        where a rank holds it whole, else a ShardedGrad that raises when used."""
+        raise NotImplementedError
+
+    def sharded_grad(self, param):
+        """What p.grad shows where the averaged grad is sharded (grad_attr)."""
+        return ShardedGrad(param, type(self).__name__)
+
+    def zero_grad(self, set_to_none=True, params=None):
+        """nn.Module's, as torch's, of every parameter or those in `params` (TorchGrads.zero_grad)."""
+        self.torch_grads.zero_grad(set_to_none, params)
+
+    def stepping(self, written):
+        """The parameters the optimizer steps now (TorchGrads.stepping; zero1 adds a check)."""
+        return self.torch_grads.stepping(written)
 
     # ------------------------------------------------------------ helpers for strategies
 
@@ -296,8 +317,8 @@ class Wrapper(Wrapping, TorchGrads, Holding, WrapperStateDicts, Joinable, nn.Mod
         """What was done to the grads since the last backward, taken in as
         torch has it before this one adds to them: a p.grad set to None
         clears that grad, one assigned is remembered, a clip is applied."""
-        self.forget_cleared_grads()
-        self.remember_assigned_grads()
+        self.torch_grads.forget_cleared_grads()
+        self.torch_grads.remember_assigned_grads()
         self.clipping.apply()  # grads kept from before a clip (no zero_grad) add up clipped, as torch's
 
     def backward_done(self):
@@ -307,14 +328,10 @@ class Wrapper(Wrapping, TorchGrads, Holding, WrapperStateDicts, Joinable, nn.Mod
         self.running.clear()  # a hooked module held gathered to the pass's end (hooked.py) lets go
         self.buckets.add_held()  # through their hooks
         self.free_gathered()
-        self.refuse_grads_from_autograd()  # before the collectives: every rank raises alike
+        self.torch_grads.refuse_grads_from_autograd()  # before the collectives: every rank raises alike
         if self.syncs_this_backward:
             self.after_backward()  # moment: the strategy waits, and averages into model.grads
-            got = self.buckets.got_grad
-            for p, shown in compress(zip(self.buckets.params, self.all_shown()), got.marks):
-                if p.grad is None:
-                    p.grad = shown
-            self.showing.update(got)
+            self.torch_grads.show(self.buckets.got_grad)  # p.grad is set
         self.buckets.end_backward()
 
     # ------------------------------------------------------------ what users and torch call, done in what it holds

@@ -9,8 +9,8 @@ from operator import attrgetter
 import torch
 
 from . import agreements
-from .buckets import ParamSet
 from .distributed import init_distributed, local_device
+from .grads import TorchGrads
 from .guards import check_not_wrapped, check_same_model_on_all_ranks
 from .hooked import HookedLayer
 from .join import Joining
@@ -84,11 +84,6 @@ class Wrapping:
         self.grads_written = set()  # data_ptr()s of the parts of model.grads that hold an average this step
         self.released_zero = None  # the shared zero of released(), made at its first use
         self.released_views = {}  # parameter -> its released() view of that zero, made once
-        # by a trainable parameter's index in self.buckets (set by index_params, below):
-        self.shown = []  # index -> what its p.grad shows (grad_attr), made once (None: not yet)
-        self.shown_whole = False  # some p.grad is a view of model.grads (all_shown)
-        self.showing = None  # ParamSet: the parameters whose p.grad backward_done set, until zero_grad
-        self.assigned = {}  # index -> (its p.grad, version) set by the user, as a backward began
         self.versions = param_versions(self.named_params)  # in-place writes move them (adopt_param_writes)
 
     def find_layers(self, module):
@@ -113,8 +108,7 @@ class Wrapping:
         by its hash."""
         for layer in self.strategy_layers:
             layer.param_indices = buckets.indices(layer.trained)
-        self.shown = [None] * len(buckets.params)
-        self.showing = ParamSet(buckets)
+        self.torch_grads = TorchGrads(self, buckets)  # p.grad's conventions, by these indices (grads.py)
         self.trainable_indices = buckets.indices(self.trainable)  # in self.trainable's order
         # what p.requires_grad must read at each step: True for the parameters the buckets hold
         self.checked = self.trainable + self.frozen

@@ -6,9 +6,9 @@ as it is, against a no-op put in its place, on the example GPT.
 
 Before the first collective of every backward pass and before every
 optimizer step, the ranks check that they are about to do the same thing
-(tiny_zero/step.py: Wrapper.backward_started and Wrapper.stepping); zero3
-and fsdp also check before gathering a layer that the recorded order did not
-predict (tiny_zero/units.py: GatherOrder). Each check is one all-reduce of a few
+(tiny_zero/step.py: Wrapper.backward_started; tiny_zero/grads.py:
+TorchGrads.stepping); zero3 and fsdp also check before gathering a layer
+that the recorded order did not predict (tiny_zero/units.py: GatherOrder). Each check is one all-reduce of a few
 integers on a gloo side group; ddp's step check goes out with the next
 backward's, in one.
 
