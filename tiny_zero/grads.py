@@ -120,7 +120,7 @@ class TorchGrads:
         trainable ones): their places in model.grads and in the buckets are
         zeroed (what the others hold stays)."""
         names = {self.name_of[p] for p in params if p in self.name_of}
-        for piece in self.all_pieces():
+        for piece in self.state_dicts.all_pieces():
             grads = self.grads.get(piece.tensor)
             if grads is not None and piece.name in names:
                 grads[piece.offset:piece.offset + piece.hi - piece.lo].zero_()
@@ -155,7 +155,7 @@ class TorchGrads:
         elif everyone_missed and all_alike:
             got = []
         elif everyone_missed:
-            names = self.param_names()
+            names = self.name_of
             candidates = sorted(stepping + list(missing), key=names.get)  # the same on every rank (agreed)
             missing = set(missing)
             flags = torch.tensor([float(p not in missing) for p in candidates], device=self.device)
@@ -171,7 +171,7 @@ class TorchGrads:
 
     def averaged_grad(self, p):
         """p's averaged grad, where this rank holds it whole (one piece)."""
-        piece = next(piece for piece in self.all_pieces() if piece.name == self.name_of[p])
+        piece = next(piece for piece in self.state_dicts.all_pieces() if piece.name == self.name_of[p])
         return self.grads[piece.tensor][piece.offset:piece.offset + piece.hi - piece.lo]
 
     def take_assigned_grad(self, name, p):

@@ -58,13 +58,12 @@ import torch.nn as nn
 from . import agreements, comm
 from .grads import TorchGrads
 from .guards import ForwardedAttributes, sequence_hash
-from .holding import Holding
+from .holding import broadcast_buffers
 from .hooked import HookedLayer
 from .join import Joining
 from .module import DEFAULT_CLASSES, expects_backward, in_backward_pass, recorded
 from .optimizer import ClipAndScale
 from .precision import LossScaling
-from .state_dicts import WrapperStateDicts
 from .wrapping import ConversionGuard, Wrapping, check_backward_once
 
 
@@ -141,16 +140,15 @@ def layer_classes(*classes):
     return out
 
 
-class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperStateDicts, ForwardedAttributes, Joining,
-              nn.Module):
+class Wrapper(Wrapping, TorchGrads, ClipAndScale, LossScaling, ForwardedAttributes, Joining, nn.Module):
     """What every strategy's wrapper shares. A strategy sets layer_classes and
     fills in the moments below (and zero_grad's clear_grads, p.grad's
     grad_attr, the state dicts' pieces and full_values); the backward's
     bookkeeping, no_sync, model.grads and the step's agreement are here.
     Apart: the wrap-time setup in wrapping.py, p.grad's conventions in
     grads.py, what a rank holds in holding.py, the clip in optimizer.py,
-    fp16's scale in precision.py, state dicts in state_dicts.py,
-    model.<name> in guards.py."""
+    fp16's scale in precision.py, state dicts in state_dicts.py (held as
+    model.state_dicts), model.<name> in guards.py."""
 
     layer_classes = None  # {torch layer class: this strategy's layer class}: its layers.py's LAYER_CLASSES
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
@@ -172,6 +170,37 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
         """Moment: after the optimizer step (and after a load): make the
         parameters the layers compute with match the shards it stepped."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------ state dicts (model.state_dicts: state_dicts.py)
+
+    def pieces(self):
+        """[Piece]: where this rank's part of each parameter lives."""
+        raise NotImplementedError
+
+    def full_values(self):
+        """{parameter: its full fp32 value, on the CPU}; a collective where
+        parameters are sharded."""
+        raise NotImplementedError
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """Full fp32 values, keys as torch DDP's ("module.x"): StateDicts.state_dict."""
+        return self.state_dicts.state_dict(destination, prefix)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Every rank's pieces, the masters and the buffers: StateDicts.load_state_dict."""
+        return self.state_dicts.load_state_dict(state_dict, strict)
+
+    def full_state_dict(self, prefix=""):
+        """Full fp32 values, keys as the module's: StateDicts.full_state_dict."""
+        return self.state_dicts.full_state_dict(prefix)
+
+    def load_pieces(self, read, names=None):
+        """Each rank sets what it holds from read(piece): StateDicts.load_pieces."""
+        self.state_dicts.load_pieces(read, names)
+
+    def pieces_to_save(self):
+        """What this rank writes to a checkpoint: StateDicts.pieces_to_save."""
+        return self.state_dicts.pieces_to_save()
 
     # ------------------------------------------------------------ helpers for strategies
 
@@ -237,7 +266,7 @@ class Wrapper(Wrapping, TorchGrads, Holding, ClipAndScale, LossScaling, WrapperS
         if self._join_config.enable:  # inside torch's Join: ranks that ran out shadow this iteration (join.py)
             self.notify_join(args, kwargs)
         if self.buffers_to_sync and self.sync_buffers:
-            self.broadcast_buffers()  # as torch DDP's broadcast_buffers: the first forward, and one after a
+            broadcast_buffers(self)  # as torch DDP's broadcast_buffers: the first forward, and one after a
         self.sync_buffers = self.require_grad_sync and torch.is_grad_enabled()  # forward that trained outside no_sync
         return self.module(*args, **kwargs)
 

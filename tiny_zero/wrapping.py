@@ -14,7 +14,7 @@ from .guards import check_not_wrapped, check_same_model_on_all_ranks
 from .hooked import HookedLayer
 from .module import CallbackLayer, hooked_modules, swap_layers
 from .precision import LossScaler, cast_floating_inputs, check_param_dtypes, param_dtype
-from .state_dicts import param_versions
+from .state_dicts import StateDicts
 
 REQUIRES_GRAD = attrgetter("requires_grad")  # read by map(), over many parameters in C
 
@@ -61,7 +61,6 @@ class Wrapping:
         self.scale_entered = False  # fp16: the loss scale entered the backward running now (ScaleGrad)
         if self.loss_scaler is not None:
             module.register_forward_hook(self.scale_output)
-        self.guard_module_state_dicts()  # model.module.state_dict() and load_state_dict() (state_dicts.py)
         self.named_params = list(module.named_parameters())  # tied parameters appear once
         self.name_of = {p: name for name, p in self.named_params}  # looked up when wrapping and in errors, not per step
         self.position = {p: i for i, (_, p) in enumerate(self.named_params)}  # the same
@@ -85,7 +84,8 @@ class Wrapping:
         self.shown_whole = False  # some p.grad is a view of model.grads (all_shown)
         self.showing = None  # ParamSet: the parameters whose p.grad backward_done set, until zero_grad
         self.assigned = {}  # index -> (its p.grad, version) set by the user, as a backward began
-        self.versions = param_versions(self.named_params)  # in-place writes move them (adopt_param_writes)
+        self.state_dicts = StateDicts(self)  # state dicts, loads, writes in place (state_dicts.py)
+        self.state_dicts.guard_module_state_dicts()  # model.module.state_dict() and load_state_dict()
 
     def find_layers(self, module):
         """[(path, layer)] in module order: tiny_zero's layers, and for each
