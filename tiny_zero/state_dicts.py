@@ -1,8 +1,9 @@
 """State dicts of a wrapped model, and the one path
 for loading values into a wrapper (load_pieces): what torch users call on a
 model and an optimizer, kept apart from one training step's code (a first
-reader may skip this file). Held by Wrapper as model.state_dicts
-(StateDicts), whose model.<name> methods below delegate to it.
+reader may skip this file). Held by Wrapper as model.state_dicts (a
+StateDicts); the model.<name> methods below are Wrapper's one-line
+delegates to it.
 
     model.state_dict()       full fp32 values on every rank, keys as torch DDP's ("module.x")
     model.load_state_dict()  restores every shard, the fp32 masters and the buffers
