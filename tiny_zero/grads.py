@@ -133,7 +133,7 @@ class TorchGrads:
         zeroed (what the others hold stays)."""
         model = self.model
         names = {model.name_of[p] for p in params if p in model.name_of}
-        for piece in model.all_pieces():
+        for piece in model.state_dicts.all_pieces():
             grads = model.grads.get(piece.tensor)
             if grads is not None and piece.name in names:
                 grads[piece.offset:piece.offset + piece.hi - piece.lo].zero_()
@@ -169,7 +169,7 @@ class TorchGrads:
         elif everyone_missed and all_alike:
             got = []
         elif everyone_missed:
-            names = model.param_names()
+            names = model.name_of
             candidates = sorted(stepping + list(missing), key=names.get)  # the same on every rank (agreed)
             missing = set(missing)
             flags = torch.tensor([float(p not in missing) for p in candidates], device=model.device)
@@ -186,7 +186,7 @@ class TorchGrads:
     def averaged_grad(self, p):
         """p's averaged grad, where this rank holds it whole (one piece)."""
         model = self.model
-        piece = next(piece for piece in model.all_pieces() if piece.name == model.name_of[p])
+        piece = next(piece for piece in model.state_dicts.all_pieces() if piece.name == model.name_of[p])
         return model.grads[piece.tensor][piece.offset:piece.offset + piece.hi - piece.lo]
 
     def take_assigned_grad(self, name, p):

@@ -57,7 +57,7 @@ def set_data(param, value):
     contents are swapped instead, for a tensor on value's memory with a
     version counter of its own (value.data), as `.data =` keeps the
     parameter's: a write into the buffer that value is a view of is not a
-    write into the parameter (Wrapper.adopt_param_writes tells them apart)."""
+    write into the parameter (StateDicts.adopt_param_writes tells them apart)."""
     if param.is_meta:
         torch.utils.swap_tensors(param, torch.nn.Parameter(value.data, requires_grad=param.requires_grad))
     else:

@@ -146,7 +146,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         self.device_counts = torch.zeros(len(params), device=device) if model.loss_scaler is not None else None
         self.masks = {}  # fp16: the stepping parameters' indices -> a 0/1 tensor over the counts
         position = {id(s): i for i, s in enumerate(model.shards)}
-        pieces = sorted((p for p in model.all_pieces() if id(p.tensor) in position),
+        pieces = sorted((p for p in model.state_dicts.all_pieces() if id(p.tensor) in position),
                         key=lambda p: (position[id(p.tensor)], p.offset))  # in layout order
         by_name = dict(model.named_params)
         # (parameter index, shard index, lo, hi) of each piece this rank steps, in layout order
@@ -216,9 +216,9 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         for group in self.param_groups:
             check_options(group)
         model.free_gathered()
-        written = model.param_writes()
+        written = model.state_dicts.param_writes()
         stepping = model.stepping(written)
-        model.adopt_param_writes(written)  # after the agreement on how many were written
+        model.state_dicts.adopt_param_writes(written)  # after the agreement on how many were written
         found_inf = model.clipping.found_overflow()  # fp16: on the device; every rank skips alike, the host never knows
         # unscaled by the scale the grads were made with
         self._update(stepping, *model.where_the_step_runs(model.clipping.grad_scale(), found_inf))

@@ -54,7 +54,7 @@ class OptimizerStateDicts:
         """opt.param_groups as torch's state_dict keeps them: every setting
         (lr, betas, ..., what a scheduler adds, such as initial_lr), and the
         parameters by name, so that the groups load on any strategy."""
-        names = self.model.param_names()
+        names = self.model.name_of
         return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
                 for g in self.param_groups]
 

@@ -1,7 +1,9 @@
 """State dicts of a wrapped model, and the one path
 for loading values into a wrapper (load_pieces): what torch users call on a
 model and an optimizer, kept apart from one training step's code (a first
-reader may skip this file).
+reader may skip this file). Held by Wrapper as model.state_dicts (a
+StateDicts); the model.<name> methods below are Wrapper's one-line
+delegates to it.
 
     model.state_dict()       full fp32 values on every rank, keys as torch DDP's ("module.x")
     model.load_state_dict()  restores every shard, the fp32 masters and the buffers
@@ -11,9 +13,8 @@ reader may skip this file).
 
 The optimizer's own state dicts are in optimizer_state_dicts.py.
 
-Where this rank's part of each parameter lies (Piece, pieces()), and the
-helpers that find it where every rank holds chunks of buckets (chunk_pieces,
-full_values_of_chunks: zero1, zero2, offload) or whole parameters.
+Where this rank's part of each parameter lies: Piece (what the strategy's
+model.pieces() lists; holding.py has the helpers that find them).
 """
 import functools
 from collections import namedtuple
@@ -34,47 +35,49 @@ from .precision import take_written_
 Piece = namedtuple("Piece", "name shape lo hi tensor offset replicated")
 
 
-class WrapperStateDicts:
-    """Mixed into Wrapper: its state dicts, and where its pieces lie."""
+class StateDicts:
+    """Held by Wrapper as model.state_dicts: its state dicts, what loads
+    into it, and the parameters' writes in place. What a strategy fills in
+    (pieces, full_values, and its own pieces_to_save, load_pieces or state
+    dicts) is the wrapper's, reached through self.model."""
 
-    def pieces(self):
-        """[Piece]: where this rank's part of each parameter lives."""
-        raise NotImplementedError
-
-    def full_values(self):
-        """{parameter: its full fp32 value, on the CPU}; a collective where
-        parameters are sharded."""
-        raise NotImplementedError
+    def __init__(self, model):
+        self.model = model
+        self.versions = param_versions(model.named_params)  # in-place writes move them (adopt_param_writes)
+        self.pieces_found = None  # model.pieces(), asked once (all_pieces)
 
     def full_state_dict(self, prefix=""):
-        """Full fp32 values (the masters), keys as module.state_dict(prefix=prefix).
-        Where every rank holds every value (ddp) it is local, as torch DDP's:
-        torch's tutorial takes it on rank 0 alone. Elsewhere a collective:
-        every rank must call it (meet_for_state_dict)."""
+        """model.full_state_dict(): full fp32 values (the masters), keys as
+        module.state_dict(prefix=prefix). Where every rank holds every value
+        (ddp) it is local, as torch DDP's: torch's tutorial takes it on rank 0
+        alone. Elsewhere a collective: every rank must call it
+        (meet_for_state_dict)."""
+        model = self.model
         comm.where = "full_state_dict"
-        if self.grads_replicated:  # still counted at the next step, which every replica agrees on
+        if model.grads_replicated:  # still counted at the next step, which every replica agrees on
             self.copy_param_writes(self.param_writes())
         else:
             self.meet_for_state_dict()
             self.adopt_param_writes()
-        full = self.full_values()
+        full = model.full_values()
         return {k: full[v] if v in full else v.detach().float().cpu().clone()
-                for k, v in self.module.state_dict(prefix=prefix, keep_vars=True).items()}
+                for k, v in model.module.state_dict(prefix=prefix, keep_vars=True).items()}
 
-    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        """Full fp32 values, keys as torch DDP's ("module.x"); a collective
-        where parameters are sharded: call it on every rank."""
+    def state_dict(self, destination, prefix):
+        """model.state_dict(): full fp32 values, keys as torch DDP's ("module.x");
+        a collective where parameters are sharded: call it on every rank."""
         out = {} if destination is None else destination
-        out.update(self.full_state_dict(prefix + "module."))
+        out.update(self.model.full_state_dict(prefix + "module."))
         return out
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict, strict=True, assign=False):
-        """Load a state dict keyed as state_dict() gives it ("module.x"; plain
-        module keys too): every rank's pieces, the masters and the buffers."""
+    def load_state_dict(self, state_dict, strict):
+        """model.load_state_dict(): a state dict keyed as state_dict() gives it
+        ("module.x"; plain module keys too): every rank's pieces, the masters
+        and the buffers."""
         values = {"module." + k.removeprefix("module."): v for k, v in state_dict.items()}
-        return loaded_with_hooks(self.module, values, "module.", strict, getattr(state_dict, "_metadata", {}),
-                                 lambda below, strict: self.load_subtree(below, strict, type(self).__name__))
+        return loaded_with_hooks(self.model.module, values, "module.", strict, getattr(state_dict, "_metadata", {}),
+                                 lambda below, strict: self.load_subtree(below, strict, type(self.model).__name__))
 
     def meet_for_state_dict(self):
         """Every rank takes the state dict, or every rank raises the same
@@ -96,22 +99,23 @@ class WrapperStateDicts:
     def load_subtree(self, values, strict, who, prefix=""):
         """Load `values`, keyed as the module's state_dict() keys below `prefix`
         with the prefix taken off. Returns (missing, unexpected) keys, so keyed."""
-        entries = unhooked_state_dict(self.module)  # the keys a load matches, as torch's: no state_dict hooks
+        module, shapes = self.model.module, self.model.shapes
+        entries = unhooked_state_dict(module)  # the keys a load matches, as torch's: no state_dict hooks
         own = {k.removeprefix(prefix): v for k, v in entries.items() if k.startswith(prefix)}
         missing = [k for k in own if k not in values]
         unexpected = [k for k in values if k not in own]
         if strict and (missing or unexpected):
             raise RuntimeError(f"Error(s) in loading state_dict for {who}: missing keys {missing}, "
                                f"unexpected keys {unexpected}")
-        names = [(key.removeprefix(prefix), name) for key, name in state_dict_names(self.module, entries)
+        names = [(key.removeprefix(prefix), name) for key, name in state_dict_names(module, entries)
                  if key.startswith(prefix)]
         for key, name in names:
-            if key in values and name is not None and tuple(values[key].shape) != tuple(self.shapes[name]):
+            if key in values and name is not None and tuple(values[key].shape) != tuple(shapes[name]):
                 raise RuntimeError(f"size mismatch for {key}: {tuple(values[key].shape)} in the state dict, "
-                                   f"{tuple(self.shapes[name])} in the model")
+                                   f"{tuple(shapes[name])} in the model")
         by_name = {name: values[key] for key, name in names if key in values and name}
-        self.load_pieces(lambda piece: by_name[piece.name].reshape(-1)[piece.lo:piece.hi].float(),
-                         names=set(by_name))
+        self.model.load_pieces(lambda piece: by_name[piece.name].reshape(-1)[piece.lo:piece.hi].float(),
+                               names=set(by_name))
         for key, value in own.items():
             if key in values and not isinstance(value, nn.Parameter):
                 value.copy_(values[key])
@@ -126,10 +130,10 @@ class WrapperStateDicts:
         state_dict(): where the parameters do not hold their whole values
         between steps (params_whole_between_steps False), raises instead of returning
         those; model.state_dict() gathers them."""
-        for path, sub in self.module.named_modules():
+        for path, sub in self.model.module.named_modules():
             prefix = path + "." if path else ""
             sub.__dict__["load_state_dict"] = functools.partial(self.load_module_state_dict, sub, prefix)
-            if not self.params_whole_between_steps:
+            if not self.model.params_whole_between_steps:
                 sub.register_state_dict_pre_hook(self.refuse_module_state_dict)
 
     def load_module_state_dict(self, sub, prefix, state_dict, strict=True, assign=False):
@@ -142,36 +146,39 @@ class WrapperStateDicts:
     def refuse_module_state_dict(self, sub, prefix, keep_vars):
         if keep_vars:  # the Parameter objects themselves: what tiny_zero reads internally
             return
-        raise RuntimeError(f"{type(self).__name__}: the module's parameters hold only this rank's part between "
-                           f"steps, so {type(sub).__name__}.state_dict() would return that, not their values. "
-                           "Call model.state_dict() (keys 'module.x') or model.full_state_dict() (the module's "
-                           "keys) on every rank: full fp32 values, a collective; or tiny_zero.checkpoint.save")
+        raise RuntimeError(f"{type(self.model).__name__}: the module's parameters hold only this rank's part "
+                           f"between steps, so {type(sub).__name__}.state_dict() would return that, not their "
+                           "values. Call model.state_dict() (keys 'module.x') or model.full_state_dict() (the "
+                           "module's keys) on every rank: full fp32 values, a collective; or tiny_zero.checkpoint.save")
 
     @torch.no_grad()
     def load_pieces(self, read, names=None):
-        """Set every parameter this rank holds (or those in `names`) from
-        read(piece): the fp32 values of elements [piece.lo, piece.hi) of
-        parameter piece.name, flattened (a 1-D tensor of piece.hi - piece.lo
-        elements). Call it on every rank; each rank reads only what it holds.
-        Checkpoints, state dicts and pretrained weights load through it."""
+        """model.load_pieces(): set every parameter this rank holds (or those
+        in `names`) from read(piece): the fp32 values of elements [piece.lo,
+        piece.hi) of parameter piece.name, flattened (a 1-D tensor of
+        piece.hi - piece.lo elements). Call it on every rank; each rank reads
+        only what it holds. Checkpoints, state dicts and pretrained weights
+        load through it."""
+        model = self.model
         for piece in self.all_pieces():
             if names is not None and piece.name not in names:
                 continue
             place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
             values = read(piece)
             piece.tensor[place] = values
-            if piece.tensor in self.working:
-                self.working[piece.tensor][place] = values
-        self.sync_params()
-        self.versions = param_versions(self.named_params)  # what was written before is loaded over
+            if piece.tensor in model.working:
+                model.working[piece.tensor][place] = values
+        model.sync_params()
+        self.versions = param_versions(model.named_params)  # what was written before is loaded over
 
     def param_writes(self):
         """{name: parameter} for those written in place since the last look
         (their version counters moved)."""
-        now = param_versions(self.named_params)
+        named_params = self.model.named_params
+        now = param_versions(named_params)
         if now == self.versions:  # the usual: no write, told in one pass in C
             return {}
-        return {name: p for (name, p), seen, was in zip(self.named_params, now, self.versions) if seen != was}
+        return {name: p for (name, p), seen, was in zip(named_params, now, self.versions) if seen != was}
 
     @torch.no_grad()
     def adopt_param_writes(self, written=None):
@@ -194,17 +201,18 @@ class WrapperStateDicts:
         collective, which a rank that saw none would never join."""
         if written is None:
             written = self.param_writes()
-            agreements.agree("the parameters written in place", group=self.replica_group, wait=False,
+            agreements.agree("the parameters written in place", group=self.model.replica_group, wait=False,
                        parameters_written_in_place=len(written))
         if not written:
             return
         self.copy_param_writes(written)
-        self.versions = param_versions(self.named_params)
+        self.versions = param_versions(self.model.named_params)
 
     @torch.no_grad()
     def copy_param_writes(self, written):
         """Carry the writes in `written` ({name: parameter}) into what this
         rank holds (see adopt_param_writes)."""
+        working = self.model.working
         pieces = {}
         for piece in self.all_pieces():
             if piece.name in written:
@@ -212,87 +220,44 @@ class WrapperStateDicts:
         apart = {name: [piece for piece in pieces.get(name, [])  # the pieces the write is not in
                         if piece.tensor.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()]
                  for name, p in written.items()}
-        if not self.params_whole_between_steps:
+        if not self.model.params_whole_between_steps:
             self.refuse_lost_writes([name for name, mine in apart.items() if mine])
         for name, mine in apart.items():
             values = written[name].detach().reshape(-1)
             for piece in mine:
                 place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
                 take_written_(piece.tensor[place], values[piece.lo:piece.hi])
-                if piece.tensor in self.working:
-                    self.working[piece.tensor][place] = piece.tensor[place]
+                if piece.tensor in working:
+                    working[piece.tensor][place] = piece.tensor[place]
 
     def refuse_lost_writes(self, lost):
         """Raise on every replica if a write is lost on any (a rank may hold
         none of a parameter that another holds part of)."""
-        count = torch.tensor([len(lost)], device=self.device)
-        comm.all_reduce(count, group=self.replica_group)
+        count = torch.tensor([len(lost)], device=self.model.device)
+        comm.all_reduce(count, group=self.model.replica_group)
         if count.item():
             where = ", ".join(lost[:3]) + (" (and more)" if len(lost) > 3 else "") if lost else \
                 "a parameter another rank holds part of"
             raise RuntimeError(f"{where} was written in place after wrapping (p.mul_, p.copy_, nn.init): "
-                               f"{type(self).__name__} steps values kept apart from the module's parameters, so "
-                               "the write would be lost; set new values with model.load_state_dict (or "
+                               f"{type(self.model).__name__} steps values kept apart from the module's parameters, "
+                               "so the write would be lost; set new values with model.load_state_dict (or "
                                "model.module's), before or between steps")
 
-    def param_names(self):
-        return self.name_of
-
     def all_pieces(self):
-        if not hasattr(self, "_pieces"):
-            self._pieces = self.pieces()
-        return self._pieces
+        """model.pieces(), asked once."""
+        if self.pieces_found is None:
+            self.pieces_found = self.model.pieces()
+        return self.pieces_found
 
     def pieces_to_save(self):
-        """The pieces this rank writes to a checkpoint, so that each element is
-        written once: those it alone holds, and its round-robin share of those
-        every replica holds."""
+        """model.pieces_to_save(): the pieces this rank writes to a checkpoint,
+        so that each element is written once: those it alone holds, and its
+        round-robin share of those every replica holds."""
         self.adopt_param_writes()
-        pieces = self.pieces()
+        model = self.model
+        pieces = model.pieces()
         replicated = [p for p in pieces if p.replicated]
-        return [p for p in pieces if not p.replicated] + replicated[self.replica::self.replicas]
-
-    def bucket_pieces(self, bucket, begin, n, tensor, offset=0):
-        """Pieces of the parameters of `bucket` (a flat layout) whose elements
-        fall in [begin, begin + n) of it, held at tensor[offset:offset + n]."""
-        pieces, names = [], self.param_names()
-        for p in bucket.params:
-            start = bucket.offsets[p]
-            lo, hi = max(start, begin), min(start + bucket.shapes[p].numel(), begin + n)
-            if lo < hi:
-                pieces.append(Piece(names[p], bucket.shapes[p], lo - start, hi - start, tensor,
-                                    offset + lo - begin, False))
-        return pieces
-
-    def whole_pieces(self, params, replicated=True):
-        """Pieces of parameters held whole, in their own storage (by every
-        rank, or, not replicated, by this one)."""
-        names = self.param_names()
-        return [Piece(names[p], p.shape, 0, p.numel(), p.data.view(-1), 0, replicated) for p in params]
-
-    def chunk_pieces(self):
-        """pieces() where every rank holds the N-th chunk of each bucket as
-        model.shards[bucket.index] (zero1, zero2, offload), and frozen
-        parameters whole."""
-        chunks = [piece for bucket, shard in zip(self.buckets, self.shards)
-                  for piece in self.bucket_pieces(bucket, self.rank * shard.numel(), shard.numel(), shard)]
-        return chunks + self.whole_pieces(self.frozen)
-
-    def full_values_of_chunks(self):
-        """{parameter: full fp32 value on the CPU} where every rank holds the
-        N-th chunk of each bucket as model.shards[bucket.index] (zero1, zero2,
-        offload), and frozen parameters whole."""
-        full = {p: p.detach().float().cpu().clone() for p in self.frozen}
-        for bucket, shard in zip(self.buckets, self.shards):
-            full.update(self.full_values_of_bucket(bucket, shard))  # the fp32 masters, not the low-precision copy
-        return full
-
-    def full_values_of_bucket(self, bucket, chunk):
-        """{parameter: full fp32 value on the CPU} for a bucket of which every
-        rank holds a 1/N chunk (fp32): one all_gather."""
-        flat = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
-        comm.all_gather(flat, chunk.to(self.device))  # a chunk kept in host memory (offload) goes by the device
-        return {p: bucket.own_view(flat, p).cpu().clone() for p in bucket.params}
+        return [p for p in pieces if not p.replicated] + replicated[model.replica::model.replicas]
 
 
 _VERSION = attrgetter("_version")

@@ -58,10 +58,9 @@ from torch.distributed.algorithms.join import Joinable
 
 from . import agreements, comm
 from .guards import ShardedGrad, check_scale_entered, forwarded_getattr, sequence_hash
-from .holding import Holding
+from .holding import broadcast_buffers
 from .hooked import HookedLayer
 from .module import DEFAULT_CLASSES, expects_backward, in_backward_pass, recorded
-from .state_dicts import WrapperStateDicts
 from .wrapping import ConversionGuard, Wrapping, check_backward_once
 
 
@@ -138,7 +137,7 @@ def layer_classes(*classes):
     return out
 
 
-class Wrapper(Wrapping, Holding, WrapperStateDicts, Joinable, nn.Module):
+class Wrapper(Wrapping, Joinable, nn.Module):
     """What every strategy's wrapper shares. A strategy sets layer_classes and
     fills in the moments below (and zero_grad's clear_grads, p.grad's
     grad_attr, the state dicts' pieces and full_values); the backward's
@@ -146,8 +145,8 @@ class Wrapper(Wrapping, Holding, WrapperStateDicts, Joinable, nn.Module):
     Apart: the wrap-time setup in wrapping.py, p.grad's conventions in
     grads.py (model.torch_grads), what a rank holds in holding.py, the
     clip in optimizer.py (model.clipping), fp16's scale in precision.py,
-    state dicts in state_dicts.py, model.<name> in guards.py, torch's Join
-    in join.py (model.joining)."""
+    state dicts in state_dicts.py (model.state_dicts), model.<name> in
+    guards.py, torch's Join in join.py (model.joining)."""
 
     layer_classes = None  # {torch layer class: this strategy's layer class}: its layers.py's LAYER_CLASSES
     grads_replicated = False  # True: every rank holds the same averaged grads, whole (ddp)
@@ -193,6 +192,37 @@ class Wrapper(Wrapping, Holding, WrapperStateDicts, Joinable, nn.Module):
     def stepping(self, written):
         """The parameters the optimizer steps now (TorchGrads.stepping; zero1 adds a check)."""
         return self.torch_grads.stepping(written)
+
+    # ------------------------------------------------------------ state dicts (model.state_dicts: state_dicts.py)
+
+    def pieces(self):
+        """[Piece]: where this rank's part of each parameter lives."""
+        raise NotImplementedError
+
+    def full_values(self):
+        """{parameter: its full fp32 value, on the CPU}; a collective where
+        parameters are sharded."""
+        raise NotImplementedError
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """Full fp32 values, keys as torch DDP's ("module.x"): StateDicts.state_dict."""
+        return self.state_dicts.state_dict(destination, prefix)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Every rank's pieces, the masters and the buffers: StateDicts.load_state_dict."""
+        return self.state_dicts.load_state_dict(state_dict, strict)
+
+    def full_state_dict(self, prefix=""):
+        """Full fp32 values, keys as the module's: StateDicts.full_state_dict."""
+        return self.state_dicts.full_state_dict(prefix)
+
+    def load_pieces(self, read, names=None):
+        """Each rank sets what it holds from read(piece): StateDicts.load_pieces."""
+        self.state_dicts.load_pieces(read, names)
+
+    def pieces_to_save(self):
+        """What this rank writes to a checkpoint: StateDicts.pieces_to_save."""
+        return self.state_dicts.pieces_to_save()
 
     # ------------------------------------------------------------ helpers for strategies
 
@@ -267,7 +297,7 @@ class Wrapper(Wrapping, Holding, WrapperStateDicts, Joinable, nn.Module):
         if self._join_config.enable:  # inside torch's Join: ranks that ran out shadow this iteration (join.py)
             self.joining.notify(args, kwargs)
         if self.buffers_to_sync and self.sync_buffers:
-            self.broadcast_buffers()  # as torch DDP's broadcast_buffers: the first forward, and one after a
+            broadcast_buffers(self)  # as torch DDP's broadcast_buffers: the first forward, and one after a
         self.sync_buffers = self.require_grad_sync and torch.is_grad_enabled()  # forward that trained outside no_sync
         return self.module(*args, **kwargs)
 

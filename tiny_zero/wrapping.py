@@ -17,7 +17,7 @@ from .join import Joining
 from .module import CallbackLayer, hooked_modules, swap_layers
 from .optimizer import Clipping
 from .precision import LossScaler, cast_floating_inputs, check_param_dtypes, param_dtype, scale_output
-from .state_dicts import param_versions
+from .state_dicts import StateDicts
 
 REQUIRES_GRAD = attrgetter("requires_grad")  # read by map(), over many parameters in C
 
@@ -64,7 +64,6 @@ class Wrapping:
         self.scale_entered = False  # fp16: the loss scale entered the backward running now (ScaleGrad)
         if self.loss_scaler is not None:
             module.register_forward_hook(partial(scale_output, self))
-        self.guard_module_state_dicts()  # model.module.state_dict() and load_state_dict() (state_dicts.py)
         self.named_params = list(module.named_parameters())  # tied parameters appear once
         self.name_of = {p: name for name, p in self.named_params}  # looked up when wrapping and in errors, not per step
         self.position = {p: i for i, (_, p) in enumerate(self.named_params)}  # the same
@@ -84,7 +83,8 @@ class Wrapping:
         self.grads_written = set()  # data_ptr()s of the parts of model.grads that hold an average this step
         self.released_zero = None  # the shared zero of released(), made at its first use
         self.released_views = {}  # parameter -> its released() view of that zero, made once
-        self.versions = param_versions(self.named_params)  # in-place writes move them (adopt_param_writes)
+        self.state_dicts = StateDicts(self)  # state dicts, loads, writes in place (state_dicts.py)
+        self.state_dicts.guard_module_state_dicts()  # model.module.state_dict() and load_state_dict()
 
     def find_layers(self, module):
         """[(path, layer)] in module order: tiny_zero's layers, and for each

@@ -46,7 +46,7 @@ def load_pretrained(model, path):
     wrapped = hasattr(model, "load_pieces")
     module = model.module if wrapped else model
     if wrapped:  # model.shapes: every parameter's full shape, on every rank
-        pieces, shapes = model.all_pieces(), model.shapes
+        pieces, shapes = model.state_dicts.all_pieces(), model.shapes
     else:  # one device holds every parameter whole
         params = list(module.named_parameters())
         pieces = [Piece(name, p.shape, 0, p.numel(), p, 0, False) for name, p in params]

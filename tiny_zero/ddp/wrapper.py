@@ -13,7 +13,7 @@ backward pass, the waits.
 """
 import torch
 
-from .. import comm
+from .. import comm, holding
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..state_dicts import Piece
 from ..step import Wrapper
@@ -28,13 +28,13 @@ class DDP(Wrapper):
     def __init__(self, module, bucket_bytes=DEFAULT_BUCKET_BYTES, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         buckets = make_buckets(self.trainable[::-1], bucket_bytes)  # backward runs the last layer first
-        self.flat_params = self.flatten(buckets, self.trainable)  # STRATEGY: all of it, on every rank
-        self.keep_whole(self.frozen)
+        self.flat_params = holding.flatten_params(self, buckets, self.trainable)  # STRATEGY: all of it, on every rank
+        holding.keep_whole(self, self.frozen)
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
                                average_over=self.world_size)  # STRATEGY: each bucket / N, before it is sent
         self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
-        self.shards = self.fp32_shards([self.flat_params])
+        self.shards = holding.fp32_shards(self, [self.flat_params])
         self.grads = {self.shards[0]: self.flat_grads}
 
     def all_reduce(self, bucket):

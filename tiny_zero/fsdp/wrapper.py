@@ -31,7 +31,7 @@ on the side stream that the all_gather waits for, and gathered in place
 """
 import torch
 
-from .. import comm
+from .. import comm, holding
 from ..buckets import Buckets, buckets_from_runs
 from ..offload.wrapper import HostMemory
 from ..step import Wrapper
@@ -42,6 +42,7 @@ from .layers import LAYER_CLASSES
 class FSDP(Unsharding, Wrapper):
     layer_classes = LAYER_CLASSES
     params_whole_between_steps = False  # the parameters: released between uses
+    fp32_shards = holding.fp32_shards  # what the optimizer steps: a hook, ../offload puts it on the host
 
     def __init__(self, module, units=None, **options):
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
@@ -78,14 +79,14 @@ class FSDP(Unsharding, Wrapper):
             self.slice_start[unit], self.slices[unit] = start, local[start:start + size(unit)]
             begin = self.rank * size(unit)
             for p in unit.params:
-                value = self.value(self.name_of[p], p)
+                value = holding.full_value(self, self.name_of[p], p)
                 if not p.is_meta:
                     comm.broadcast(value, src=0)  # every rank starts from rank 0's weights
                 offset, n = unit.offsets[p], p.numel()
                 lo, hi = max(offset, begin), min(offset + n, begin + size(unit))  # p's part in this slice
                 if lo < hi:
                     self.slices[unit][lo - begin:hi - begin] = value.reshape(-1)[lo - offset:hi - offset]
-                self.set_data(p, self.released(p) if self.releases_params else unit.own_view(self.slices[unit], p))
+                holding.set_data(self, p, holding.released(self, p) if self.releases_params else unit.own_view(self.slices[unit], p))
                 del value  # one full tensor at a time
             start += size(unit)
         return local
@@ -101,7 +102,7 @@ class FSDP(Unsharding, Wrapper):
         """The unit's full buffer and each parameter's view of it, made once;
         the buffer's memory is let go at once, until the unit is gathered."""
         buffer = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
-        self.views[unit] = [(p, unit.own_view(buffer, p), self.released(p)) for p in unit.params]
+        self.views[unit] = [(p, unit.own_view(buffer, p), holding.released(self, p)) for p in unit.params]
         buffer.untyped_storage().resize_(0)
         self.unit_buffer[unit] = buffer
 
@@ -150,7 +151,7 @@ class FSDP(Unsharding, Wrapper):
         pieces = []
         for unit, tensor, start in self.unit_slices():
             size = self.slices[unit].numel()
-            pieces += self.bucket_pieces(unit, self.rank * size, size, tensor, start)
+            pieces += holding.bucket_pieces(self, unit, self.rank * size, size, tensor, start)
         return pieces
 
     def unit_slices(self):
@@ -163,7 +164,7 @@ class FSDP(Unsharding, Wrapper):
     def full_values(self):
         full = {}
         for unit, tensor, start in self.unit_slices():
-            full.update(self.full_values_of_bucket(unit, tensor[start:start + self.slices[unit].numel()].float()))
+            full.update(holding.full_values_of_bucket(self, unit, tensor[start:start + self.slices[unit].numel()].float()))
         return full
 
 

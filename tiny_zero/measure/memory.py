@@ -362,7 +362,7 @@ def wrapper_held(model, optimizer_state):
     fsdp's gather buffers, unit_buffer). fp32 masters count as optimizer state, as the ZeRO paper
     counts them: on the host they are the pieces' tensors (offload)."""
     host = {id(t) for t in model.host}
-    stored = {id(piece.tensor): piece.tensor for piece in model.all_pieces()}.values()
+    stored = {id(piece.tensor): piece.tensor for piece in model.state_dicts.all_pieces()}.values()
     masters = list(model.working) + [t for t in stored if id(t) in host]
     grads = [p.grad for _, p in model.named_params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
     buckets = model.buckets

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .. import comm
+from .. import comm, holding
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..holding import HeldInChunks
 from ..step import Wrapper
@@ -166,8 +166,8 @@ class ZeroOffload(HostMemory, HeldInChunks, Wrapper):  # HeldInChunks: grad_attr
         self.use_host()
         n = self.world_size
         buckets = make_buckets(self.trainable[::-1], bucket_bytes, pad_to=n)  # backward runs the last layer first
-        self.flat_params = self.flatten(buckets, self.trainable)
-        self.keep_whole(self.frozen)
+        self.flat_params = holding.flatten_params(self, buckets, self.trainable)
+        holding.keep_whole(self, self.frozen)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)

@@ -32,7 +32,7 @@ from itertools import accumulate
 
 import torch
 
-from .. import agreements, comm
+from .. import agreements, comm, holding
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs, make_buckets
 from ..distributed import init_distributed
 from ..precision import ScaleGrad
@@ -79,7 +79,7 @@ class Pipeline(PointToPoint, Wrapper):
         copies of tied parameters that an earlier stage owns."""
         for _, p in self.named_params:
             if p not in mine:
-                self.set_data(p, self.released(p))  # STRATEGY: another stage's: nothing allocated here
+                holding.set_data(self, p, holding.released(self, p))  # STRATEGY: another stage's: nothing allocated here
         self.trainable = [p for p in self.trainable if p in mine]
         self.frozen = [p for p in self.frozen if p in mine]
         self.tied = [p for _, p in self.named_params if p in mine and len(self.holders[p]) > 1]
@@ -88,14 +88,14 @@ class Pipeline(PointToPoint, Wrapper):
         runs = [b.params for b in make_buckets(own[::-1], bucket_bytes)]  # backward runs the last layer first
         buckets = buckets_from_runs(runs + ([copies] if copies else []))
         self.own_buckets = buckets[:len(runs)]
-        self.flat_params = self.flatten(buckets, own + copies)  # every replica of the stage: the first's values
-        self.keep_whole(self.frozen)
+        self.flat_params = holding.flatten_params(self, buckets, own + copies)  # every replica of the stage: the first's values
+        holding.keep_whole(self, self.frozen)
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
                                average_over=self.replicas)  # STRATEGY: each bucket / R, before it is sent
         self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         stepped = sum(b.numel for b in self.own_buckets)
-        self.shards = self.fp32_shards([self.flat_params[:stepped]])
+        self.shards = holding.fp32_shards(self, [self.flat_params[:stepped]])
         self.grads = {self.shards[0]: self.flat_grads[:stepped]}
         self.send_tied(self.tied)  # every holder starts from the owner's values
 
@@ -283,13 +283,13 @@ class Pipeline(PointToPoint, Wrapper):
         same (a copy of a tied parameter is not listed: its owner saves it)."""
         shard = self.shards[0]
         stepped = [piece._replace(replicated=True) for bucket in self.own_buckets
-                   for piece in self.bucket_pieces(bucket, 0, bucket.numel, shard, bucket.start)]
-        return stepped + self.whole_pieces([p for p in self.frozen if self.owns(p)])
+                   for piece in holding.bucket_pieces(self, bucket, 0, bucket.numel, shard, bucket.start)]
+        return stepped + holding.whole_pieces(self, [p for p in self.frozen if self.owns(p)])
 
     @torch.no_grad()
     def full_values(self):
         """The parameters of each stage, from its first replica to every rank: one broadcast per stage."""
-        mine = {piece.name: piece for piece in self.all_pieces()}
+        mine = {piece.name: piece for piece in self.state_dicts.all_pieces()}
         full = {}
         for stage in range(self.stages):
             names = [name for name, p in self.named_params if self.holders[p][0] == stage]

@@ -33,7 +33,7 @@ from math import prod
 import torch
 import torch.nn as nn
 
-from .. import agreements, comm
+from .. import agreements, comm, holding
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..distributed import init_distributed
 from ..state_dicts import Piece
@@ -70,7 +70,7 @@ class TensorParallel(Wrapper):
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
                                average_over=self.replicas)  # STRATEGY: each bucket / R, before it is sent
         self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
-        self.shards = self.fp32_shards([self.flat_params])
+        self.shards = holding.fp32_shards(self, [self.flat_params])
         self.grads = {self.shards[0]: self.flat_grads}
 
     def forward(self, *args, **kwargs):
@@ -86,10 +86,10 @@ class TensorParallel(Wrapper):
         """Every parameter from rank 0, one full tensor at a time: this rank's
         slice of a planned one, the whole of any other."""
         for name, p in self.named_params:
-            value = self.value(name, p)
+            value = holding.full_value(self, name, p)
             if not p.is_meta:
                 comm.broadcast(value, src=0)  # every rank starts from rank 0's weights
-            self.set_data(p, self.my_slice(p, value) if p in self.split else value)
+            holding.set_data(self, p, self.my_slice(p, value) if p in self.split else value)
 
     def my_slice(self, p, full):
         dim, parts = self.split[p]
@@ -108,7 +108,7 @@ class TensorParallel(Wrapper):
             for p in bucket.params:
                 view = bucket.view(flat, p)
                 view.copy_(p.data)
-                self.set_data(p, view)
+                holding.set_data(self, p, view)
         return flat
 
     def storage(self, p):

@@ -17,7 +17,7 @@ every rank's updated chunks to every rank (sync_params).
 """
 import torch
 
-from .. import comm
+from .. import comm, holding
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..holding import HeldInChunks
 from ..step import Wrapper
@@ -31,14 +31,14 @@ class Zero1(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, full_val
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         n = self.world_size
         buckets = make_buckets(self.trainable[::-1], bucket_bytes, pad_to=n)  # backward runs the last layer first
-        self.flat_params = self.flatten(buckets, self.trainable)
-        self.keep_whole(self.frozen)
+        self.flat_params = holding.flatten_params(self, buckets, self.trainable)
+        holding.keep_whole(self, self.frozen)
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)  # STRATEGY: full, kept through backward
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
                                average_over=self.world_size)  # STRATEGY: each bucket / N, before it is sent
         self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
-        self.shards = self.fp32_shards(chunks)
+        self.shards = holding.fp32_shards(self, chunks)
         self.grads = {shard: b.chunk(self.flat_grads, self.rank, n) for shard, b in zip(self.shards, buckets)}
         self.holds_average = False  # the chunks of self.grads hold averages (from a backward since zero_grad)
         self.scaled = False  # ... multiplied by N, for the backward that adds into them

@@ -15,7 +15,7 @@ are final (layers.py); after the optimizer step, one all_gather per bucket
 """
 import torch
 
-from .. import comm
+from .. import comm, holding
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, make_buckets
 from ..holding import HeldInChunks
 from ..step import Wrapper
@@ -29,13 +29,13 @@ class Zero2(HeldInChunks, Wrapper):  # HeldInChunks: grad_attr, pieces, full_val
         super().__init__(module, **options)  # options: mixed_precision, reduce_dtype, loss_scaler, device
         n = self.world_size
         buckets = make_buckets(self.trainable[::-1], bucket_bytes, pad_to=n)  # backward runs the last layer first
-        self.flat_params = self.flatten(buckets, self.trainable)
-        self.keep_whole(self.frozen)
+        self.flat_params = holding.flatten_params(self, buckets, self.trainable)
+        holding.keep_whole(self, self.frozen)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,  # a bucket's grads: from its first grad until sent
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
         chunks = [b.chunk(self.flat_params, self.rank, n) for b in buckets]  # STRATEGY: this rank steps 1/N
-        self.shards = self.fp32_shards(chunks)
+        self.shards = holding.fp32_shards(self, chunks)
         self.grad_chunks = torch.zeros(self.flat_params.numel() // n, dtype=self.reduce_dtype, device=self.device)
         self.grads = {shard: self.grad_chunks[b.start // n:(b.start + b.numel) // n]
                       for shard, b in zip(self.shards, buckets)}

@@ -16,7 +16,7 @@ nothing is gathered after.
 """
 import torch
 
-from .. import comm
+from .. import comm, holding
 from ..buckets import DEFAULT_BUCKET_BYTES, Buckets, buckets_from_runs
 from ..step import Wrapper
 from ..units import Unsharding, find_units
@@ -41,7 +41,7 @@ class Zero3(Unsharding, Wrapper):
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device,
                                average_over=self.world_size)  # STRATEGY: each bucket / N, as it is flattened to be sent
         self.index_params(self.buckets)  # each trainable parameter's place in them (wrapping.py)
-        self.shards = self.fp32_shards([self.owned]) if self.owned.numel() else []
+        self.shards = holding.fp32_shards(self, [self.owned]) if self.owned.numel() else []
         self.unit_buckets = {unit: [b for b in buckets if unit_of[b.params[0]] == unit] for unit in self.unit_params}
         self.units_of = {m: list(dict.fromkeys(unit_of[p] for p in m.parameters(recurse=False))) for m in layers}
         self.releases_params = self.world_size > 1  # world 1: this rank owns every tensor
@@ -61,20 +61,20 @@ class Zero3(Unsharding, Wrapper):
             self.owned_start[b], start = start, start + b.numel
         for name, p in self.named_params:
             if p.is_meta and self.owner[p] != self.rank:
-                self.set_data(p, self.released(p))  # built on meta: only the owner makes the value
+                holding.set_data(self, p, holding.released(self, p))  # built on meta: only the owner makes the value
                 continue
-            value = self.value(name, p)
+            value = holding.full_value(self, name, p)
             if not p.is_meta:
                 comm.broadcast(value, src=0)
             if self.owner[p] != self.rank:
-                self.set_data(p, self.released(p))
+                holding.set_data(self, p, holding.released(self, p))
             elif p.requires_grad:
                 bucket = next(b for b in owned_buckets if p in b.offsets)
                 view = bucket.own_view(owned[self.owned_start[bucket]:], p)
                 view.copy_(value)
-                self.set_data(p, view)
+                holding.set_data(self, p, view)
             else:
-                self.set_data(p, value)
+                holding.set_data(self, p, value)
             del value  # one full tensor at a time
         return owned
 
@@ -93,7 +93,7 @@ class Zero3(Unsharding, Wrapper):
                 flat = bucket.params[0].data if at is None else self.owned[at:at + bucket.numel]
             else:
                 flat, start = buffer[start:start + bucket.numel], start + bucket.numel
-                views += [(p, bucket.own_view(flat, p), self.released(p)) for p in bucket.params]
+                views += [(p, bucket.own_view(flat, p), holding.released(self, p)) for p in bucket.params]
             broadcasts.append((flat, owner))
         buffer.untyped_storage().resize_(0)
         self.unit_buffer[unit], self.broadcasts[unit], self.views[unit] = buffer, broadcasts, views
@@ -139,10 +139,10 @@ class Zero3(Unsharding, Wrapper):
         return self.sharded_grad(param)
 
     def pieces(self):
-        owned = [piece for b in self.owned_buckets for piece in self.bucket_pieces(b, 0, b.numel, self.shards[0],
-                                                                          self.owned_start[b])]
+        owned = [piece for b in self.owned_buckets
+                 for piece in holding.bucket_pieces(self, b, 0, b.numel, self.shards[0], self.owned_start[b])]
         frozen = [p for p in self.frozen if self.owner[p] == self.rank]
-        return owned + self.whole_pieces(frozen, replicated=False)
+        return owned + holding.whole_pieces(self, frozen, replicated=False)
 
     @torch.no_grad()
     def full_values(self):
