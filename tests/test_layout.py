@@ -16,6 +16,9 @@ shows what one more level of sharding changes.
   such lines may stand in two folders (the same collective in zero1 and
   zero2, say); any other copied function body may not: shared logic lives
   in one place.
+- A wrapper's MRO holds at most four tiny_zero classes (offload: five): it
+  holds p.grad's conventions, the clip, the state dicts and Join as objects
+  (model.torch_grads, model.clipping, model.state_dicts, model.joining).
 - No import runs back up: nothing inside the package imports a name from its
   __init__, and the shared files import no strategy folder and no tooling.
 - pipeline, the model-parallel folder, is held to the same rules, with one
@@ -62,6 +65,7 @@ MOST_FILE_LINES = 400
 MOST_CLASS_LINES = 300
 LONG_FILES_ALLOWED = ("measure", "checkpoint")  # tooling, not a step
 MOST_COPIED_LINES = 6  # a function body marked # STRATEGY this short may stand in two folders
+MOST_BASES = {"offload": 5}  # tiny_zero classes in a wrapper's MRO, itself included (else 4): offload adds HostMemory
 
 
 def folder(name):
@@ -125,6 +129,21 @@ def test_layers_define_the_mixin_and_layer_classes(name):
     unwritten = [cls.__name__ for cls in module.LAYER_CLASSES.values() if cls.__name__ not in written]
     assert not unwritten, f"tiny_zero/{name}/layers.py: {unwritten} not written as a class statement (grep finds none)"
 
+
+def tiny_zero_bases(cls):
+    """The tiny_zero classes of a class's MRO, itself first."""
+    return [base.__name__ for base in cls.__mro__ if base.__module__.startswith("tiny_zero")]
+
+
+@pytest.mark.parametrize("name", DATA_PARALLEL)
+def test_a_wrapper_holds_its_conventions_rather_than_inheriting_them(name):
+    """A wrapper inherits Wrapper and Wrapping, and at most its shared means
+    (zero3, fsdp: Unsharding; zero1, zero2: HeldInChunks; offload: HostMemory
+    too): p.grad's conventions, the clip, fp16's scale, the state dicts and
+    Join are objects it holds, found by name."""
+    most = MOST_BASES.get(name, 4)
+    bases = tiny_zero_bases(CLASSES[name][0])
+    assert len(bases) <= most, f"{name}: {len(bases)} tiny_zero classes in its MRO (at most {most}): {bases}"
 
 def test_no_attribute_assignment_has_side_effects():
     """No __setattr__ in the package: `self.buckets = ...` only assigns."""
