@@ -7,14 +7,13 @@ them), the scale the update multiplies the grads by (unscale and clip),
 fp16's overflow flag (its all-reduce). StrategyAdamW: the optimizer every strategy's optim.py
 points at its wrapper; it steps model.shards with model.grads, per
 parameter group."""
-from itertools import groupby
-
 import torch
 
 from . import agreements, comm
 from .optim import adamw_update_
 from .optim.adamw import check_group, check_hparams, check_options
 from .optimizer_state_dicts import OptimizerStateDicts
+from .step_counts import StepCounts
 
 
 class Clipping:
@@ -116,7 +115,8 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
     schedulers work). Each parameter keeps its own step count, as torch's
     does: one that has no grad is not stepped. A shard's AdamW state is flat, like
     the shard; the update runs once per stretch of a shard whose parameters
-    share a group and a step count (usually one launch per shard)."""
+    share a group and a step count (usually one launch per shard). The counts
+    and the stretches are held as opt.counts (step_counts.py)."""
 
     wrapper = None  # the wrapper class this optimizer belongs to, set by each strategy
     kernel = "auto"  # adamw_update_'s: the Triton kernel on CUDA, plain torch on the CPU
@@ -131,30 +131,7 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         check_hparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(self._groups(params), defaults)
-        # A parameter's index: its place in model.named_params; the step's bookkeeping is by index
-        # (a dict keyed by Parameter objects hashes each one in Python, thousands of times a step).
-        params = [p for _, p in model.named_params]
-        self.index_of = {id(p): i for i, p in enumerate(params)}
-        # Step counts. fp32, bf16: Python ints, as every step the host takes happens. fp16: a skip is
-        # decided on the device, so the counts are a tensor there (where the shards are), advanced by
-        # (1 - found_inf); the kernel reads its run's. `stamps` (fp16; and loaded counts): a hash of the
-        # steps each parameter was stepped in (equal stamps, equal counts), which groups the runs without
-        # reading the counts.
-        self.counts = [0] * len(params)
-        self.stamps = [0] * len(params)
-        device = model.shards[0].device if model.shards else model.device
-        self.device_counts = torch.zeros(len(params), device=device) if model.loss_scaler is not None else None
-        self.masks = {}  # fp16: the stepping parameters' indices -> a 0/1 tensor over the counts
-        position = {id(s): i for i, s in enumerate(model.shards)}
-        pieces = sorted((p for p in model.state_dicts.all_pieces() if id(p.tensor) in position),
-                        key=lambda p: (position[id(p.tensor)], p.offset))  # in layout order
-        by_name = dict(model.named_params)
-        # (parameter index, shard index, lo, hi) of each piece this rank steps, in layout order
-        self.piece_rows = [(self.index_of[id(by_name[p.name])], position[id(p.tensor)], p.offset,
-                            p.offset + p.hi - p.lo) for p in pieces]
-        self.cached_runs = None  # (the key runs() was computed for, its runs)
-        self.group_key = None  # the param groups that group_index was computed for
-        self.group_index = [None] * len(params)  # each parameter's group (its index), None if none
+        self.counts = StepCounts(model)
 
     @property
     def skipped_steps(self):
@@ -233,52 +210,21 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
         return loss
 
     def _update(self, stepping, grad_scale, found_inf):
-        index_of, group_index = self.index_of, self.update_group_index()
-        stepped = list(map(index_of.__getitem__, map(id, stepping)))  # in C: a step's longest loop
-        if None in group_index:  # some of the model's parameters are in no group of this optimizer
-            stepped = [i for i in stepped if group_index[i] is not None]
-        runs = self.runs(stepped)
-        self.advance(stepped, found_inf)
+        """The parameters that step, their stretches of the shards, and one
+        AdamW update per stretch."""
+        counts = self.counts
+        stepped = counts.indices(stepping, self.param_groups)
+        runs = counts.runs(stepped, self.param_groups)
+        counts.advance(stepped, found_inf)
         for shard_index, lo, hi, group, first in runs:
             shard = self.model.shards[shard_index]
             beta1, beta2 = group["betas"]
             exp_avg, exp_avg_sq = self.adam_state(shard)
             out = self.model.working.get(shard)
-            step = self.counts[first] if self.device_counts is None else self.device_counts[first]
             adamw_update_(shard[lo:hi], self.model.grads[shard][lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
                           lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                          weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale,
+                          weight_decay=group["weight_decay"], step=counts.count(first), grad_scale=grad_scale,
                           param_out=None if out is None else out[lo:hi], kernel=self.kernel, found_inf=found_inf)
-
-    def advance(self, stepped, found_inf):
-        """The step counts of the parameters `stepped` (indices) go up by one,
-        before their update reads them; under fp16 on the device, where the
-        step was not skipped, in one op."""
-        if self.device_counts is None:
-            counts = self.counts
-            for i in stepped:
-                counts[i] += 1
-            return
-        stamps, step = self.stamps, self.model.steps  # runs tells counts apart by these (it reads counts in fp32)
-        for i in stepped:
-            stamps[i] = (stamps[i] * 31 + step + 1) % (1 << 61)
-        key = tuple(stepped)
-        if key not in self.masks:
-            mask = torch.zeros(len(self.counts))
-            mask[list(stepped)] = 1.0
-            self.masks[key] = mask.to(self.device_counts.device)  # once per set of stepping parameters
-        self.device_counts.addcmul_(self.masks[key], 1 - found_inf.to(self.device_counts.device))
-
-    def update_group_index(self):
-        """group_index, recomputed only when the param groups changed."""
-        key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
-        if key != self.group_key:
-            self.group_index = [None] * len(self.counts)
-            for g, group in enumerate(self.param_groups):
-                for p in group["params"]:
-                    self.group_index[self.index_of[id(p)]] = g
-            self.group_key = key
-        return self.group_index
 
     def adam_state(self, shard):
         state = self.state[shard]
@@ -286,43 +232,6 @@ class StrategyAdamW(OptimizerStateDicts, torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(shard)
             state["exp_avg_sq"] = torch.zeros_like(shard)
         return state["exp_avg"], state["exp_avg_sq"]
-
-    def count(self, i):
-        """Parameter i's step count, a number (under fp16 a host read: for a save)."""
-        return self.counts[i] if self.device_counts is None else float(self.device_counts[i])
-
-    def set_count(self, i, step):
-        if self.device_counts is None:
-            self.counts[i] = int(step)
-        else:
-            self.device_counts[i] = float(step)
-        self.stamps[i] = (1 << 60) + int(step)  # equal counts, equal stamps: no history to tell them apart
-        self.cached_runs = None
-
-    def runs(self, stepped):
-        """(shard index, lo, hi, group, first parameter's index): the stretches
-        of shards to update, one launch each: adjacent pieces of parameters
-        that step now (indices), in the same group, with the same step count.
-        A piece that does not step ends a stretch. Made again only when the
-        parameters that step, or the groups, change: where the same ones step
-        as last time, their counts all moved together."""
-        key = (tuple(stepped), self.group_key)
-        if self.cached_runs is not None and self.cached_runs[0] == key:
-            return self.cached_runs[1]
-        steps = [False] * len(self.counts)
-        for i in stepped:
-            steps[i] = True
-        stamps, group_index = self.counts if self.device_counts is None else self.stamps, self.group_index
-        keys = [(shard, group_index[i], stamps[i]) if steps[i] else None for i, shard, _, _ in self.piece_rows]
-        runs = []
-        for run_key, same in groupby(zip(keys, self.piece_rows), key=lambda item: item[0]):
-            if run_key is None:
-                continue
-            rows = [row for _, row in same]
-            (first, shard, lo, _), hi = rows[0], rows[-1][3]
-            runs.append((shard, lo, hi, self.param_groups[run_key[1]], first))
-        self.cached_runs = (key, runs)
-        return runs
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none, params=[p for group in self.param_groups for p in group["params"]])

@@ -18,18 +18,18 @@ class OptimizerStateDicts:
         """exp_avg, exp_avg_sq (their slices for this piece; None before the
         first step) and the step count of piece's parameter: what a checkpoint
         keeps."""
-        i = self.index_of[id(dict(self.model.named_params)[piece.name])]
+        i = self.counts.index_of[id(dict(self.model.named_params)[piece.name])]
         state = self.state.get(piece.tensor, {})
         place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
         exp_avgs = [state[k][place] if k in state else None for k in ("exp_avg", "exp_avg_sq")]
-        return exp_avgs[0], exp_avgs[1], float(self.count(i))
+        return exp_avgs[0], exp_avgs[1], float(self.counts.count(i))
 
     def load_piece_state(self, piece, exp_avg, exp_avg_sq, step):
-        i = self.index_of[id(dict(self.model.named_params)[piece.name])]
+        i = self.counts.index_of[id(dict(self.model.named_params)[piece.name])]
         place = slice(piece.offset, piece.offset + piece.hi - piece.lo)
         m, v = self.adam_state(piece.tensor)
         m[place], v[place] = exp_avg, exp_avg_sq
-        self.set_count(i, step)
+        self.counts.load(i, step)
 
     def state_dict(self):
         """This rank's state (its shards' exp_avg and exp_avg_sq, the step counts) and the
@@ -45,8 +45,8 @@ class OptimizerStateDicts:
             if id(key) in shard_index:
                 state[f"shard{shard_index[id(key)]}"] = {k: v.clone() for k, v in value.items()}
         for i, (name, _) in enumerate(model.named_params):
-            if self.counts[i] or self.stamps[i]:  # stepped (fp32, bf16: counts; fp16: stamps), or loaded
-                state[name] = {"step": torch.tensor(float(self.count(i)))}
+            if self.counts.has_count(i):
+                state[name] = {"step": torch.tensor(float(self.counts.count(i)))}
         return {"state": state, "param_groups": self.named_param_groups(), "skipped_steps": self.skipped_steps,
                 "made_by": self.made_by()}
 
@@ -93,7 +93,7 @@ class OptimizerStateDicts:
                 target = model.shards[int(key[5:])]
                 self.state[target] = {k: v.to(target.device).clone() for k, v in value.items()}
             else:
-                self.set_count(self.index_of[id(by_name[key])], float(value["step"]))
+                self.counts.load(self.counts.index_of[id(by_name[key])], float(value["step"]))
         self.skipped_steps = state_dict.get("skipped_steps", 0)
 
 
