@@ -42,7 +42,7 @@ from tiny_zero.hooked import HookedLayer  # noqa: E402
 from tiny_zero.pipeline import Pipeline, PipelineAdamW  # noqa: E402
 from tiny_zero.optimizer import StrategyAdamW  # noqa: E402
 from tiny_zero.step import LayerMoments, StrategyLayer, Wrapper  # noqa: E402
-from tiny_zero.wrapping import ConversionGuard  # noqa: E402
+from tiny_zero.guards import ConversionGuard  # noqa: E402
 from tiny_zero.tensor import TensorParallel, TensorParallelAdamW  # noqa: E402
 
 DATA_PARALLEL = ["ddp", "zero1", "zero2", "zero3", "fsdp", "offload"]

@@ -11,7 +11,7 @@ import torch
 
 from . import agreements, comm
 from .buckets import ParamSet
-from .guards import ShardedGrad, parameter_hash
+from .guards import ShardedGrad, check_requires_grad, parameter_hash
 
 GRAD = attrgetter("grad")  # read by map(), over many parameters in C
 
@@ -206,7 +206,7 @@ class TorchGrads:
         parameters were `written` in place (param_writes) since the last step."""
         model = self.model
         self.forget_cleared_grads()
-        model.check_requires_grad()
+        check_requires_grad(model)
         buckets, got, shown = model.buckets, model.buckets.got_grad.marks, self.all_shown()
         if all(got) and all(map(is_, map(GRAD, buckets.params), shown)):  # the usual, in C: every grad as backward left it
             stepping = [buckets.params[i] for i in model.trainable_indices]

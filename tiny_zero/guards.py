@@ -3,12 +3,15 @@ may skip this file): a model wrapped twice, models that differ across
 ranks, an fp16 backward that the loss scale does not enter, p.grad of a
 strategy that keeps averaged grads sharded used as if it were the whole
 grad, a parameter read where zero3 and fsdp hold it released
-(ReleasedReads), and model.<name> for an attribute of the wrapped module
-(forwarded_getattr, Wrapper's __getattr__)."""
+(ReleasedReads), a layer converted after wrapping (ConversionGuard), a
+second backward through one forward, requires_grad changed after wrapping,
+and model.<name> for an attribute of the wrapped module (forwarded_getattr,
+Wrapper's __getattr__)."""
 import functools
 import zlib
 from array import array
 from contextlib import nullcontext
+from operator import attrgetter
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -17,6 +20,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_leaves  # a foreach op takes lists of grads
 
 from . import comm
+
+REQUIRES_GRAD = attrgetter("requires_grad")  # read by map(), over many parameters in C
 
 
 def check_not_wrapped(module):
@@ -201,3 +206,47 @@ class ReleasedReads(TorchFunctionMode):
             "outside the module that holds it (as in F.linear(x, layer.weight) or x * norm.weight in another "
             "module); it would read zeros. Use it through its module (a tied nn.Linear head, as GPT-2's), or give "
             "the other use a parameter of its own")
+
+
+class ConversionGuard:
+    """Mixed into every strategy layer (step.StrategyLayer)."""
+
+    def _apply(self, fn, recurse=True):
+        """What model.to(dtype or device), .half(), .double() and .cuda() run on
+        each module: refused on a wrapped layer where it would change a
+        parameter's dtype or device (fn is tried on an empty tensor like it).
+        The wrapper's own conversion, at wrap time, comes before it is wrapped."""
+        if "wrapper" in self.__dict__:
+            for name, p in ((n, p) for n, p in self._parameters.items() if p is not None):
+                converted = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+                if (converted.dtype, converted.device) != (p.dtype, p.device):
+                    raise RuntimeError(f"{self.path}.{name}: converting the model after wrapping ({p.dtype} on "
+                                       f"{p.device} to {converted.dtype} on {converted.device}) would leave the "
+                                       "strategy stepping its own buffers while the module computes with the "
+                                       "converted copies, which never train; convert the module before wrapping it "
+                                       "(the wrapper's device= places it, mixed_precision= sets the dtype it "
+                                       "computes in)")
+        return super()._apply(fn, recurse)
+
+
+def check_backward_once(ctx, path):
+    """A layer's backward: one per forward, from loss.backward()."""
+    if not ctx.param_grads:
+        raise RuntimeError(f"{path}: torch.autograd.grad (or backward(inputs=...)) through a strategy's "
+                           "layers: each layer's backward hands its parameters' grads to the strategy, which "
+                           "cannot leave them out as torch does; call loss.backward() (an input that requires "
+                           "grad gets its x.grad) and keep the grads you need")
+    if getattr(ctx, "backward_ran", False):
+        raise RuntimeError(f"{path}: a second backward through the same forward (backward(retain_graph="
+                           "True), then backward again): a strategy sends each layer's grads once per forward, "
+                           "as torch DDP does; add the losses and call backward once, or run the forward again")
+    ctx.backward_ran = True
+
+
+def check_requires_grad(model):
+    """At each step: requires_grad reads what it read when wrapping (what this rank holds; a stage: its own)."""
+    if list(map(REQUIRES_GRAD, model.checked)) != model.requires:
+        p = next(p for p, wanted in zip(model.checked, model.requires) if p.requires_grad != wanted)
+        raise RuntimeError(f"{model.name_of[p]}.requires_grad changed after the model was wrapped: tiny_zero "
+                           "reads it once, when wrapping, to decide what is sent and stepped; set it before "
+                           "wrapping")

@@ -57,11 +57,12 @@ import torch.nn as nn
 from torch.distributed.algorithms.join import Joinable
 
 from . import agreements, comm
-from .guards import ShardedGrad, check_scale_entered, forwarded_getattr, sequence_hash
+from .guards import (ConversionGuard, ShardedGrad, check_backward_once, check_scale_entered, forwarded_getattr,
+                     sequence_hash)
 from .holding import broadcast_buffers
 from .hooked import HookedLayer
 from .module import DEFAULT_CLASSES, expects_backward, in_backward_pass, recorded
-from .wrapping import ConversionGuard, Wrapping, check_backward_once
+from .wrapping import Wrapping
 
 
 class StrategyLayer(ConversionGuard):

@@ -1,10 +1,10 @@
-"""What happens once, when a model is wrapped (a first reader may skip this file):
-the checks, the layers swapped for the strategy's, every parameter's name,
-shape and index, and the refusal of a conversion after wrapping. Mixed into
-step.py's Wrapper, before the strategy's own __init__ lays out what a rank
-holds."""
+"""What happens once, when a model is wrapped, and lays out the state the
+step reads: the layers swapped for the strategy's, every parameter's name,
+shape and index (index_params), the objects the wrapper holds
+(model.torch_grads, model.clipping, model.state_dicts, model.joining), and
+the empty model.grads and model.shards that the strategy's own __init__
+fills in. Wrapping is the base of step.py's Wrapper."""
 from functools import partial
-from operator import attrgetter
 
 import torch
 
@@ -19,7 +19,6 @@ from .optimizer import Clipping
 from .precision import LossScaler, cast_floating_inputs, check_param_dtypes, param_dtype, scale_output
 from .state_dicts import StateDicts
 
-REQUIRES_GRAD = attrgetter("requires_grad")  # read by map(), over many parameters in C
 
 
 class Wrapping:
@@ -114,14 +113,6 @@ class Wrapping:
         self.checked = self.trainable + self.frozen
         self.requires = [id(p) in buckets.index for p in self.checked]
 
-    def check_requires_grad(self):
-        """At each step: requires_grad reads what it read when wrapping (what this rank holds; a stage: its own)."""
-        if list(map(REQUIRES_GRAD, self.checked)) != self.requires:
-            p = next(p for p, wanted in zip(self.checked, self.requires) if p.requires_grad != wanted)
-            raise RuntimeError(f"{self.name_of[p]}.requires_grad changed after the model was wrapped: tiny_zero "
-                               "reads it once, when wrapping, to decide what is sent and stepped; set it before "
-                               "wrapping")
-
 
 def buffers_by_dtype(module):
     """The module's buffers (not on meta), in lists of one dtype each."""
@@ -130,38 +121,3 @@ def buffers_by_dtype(module):
         if not b.is_meta:
             groups.setdefault((b.dtype, b.device), []).append(b)
     return list(groups.values())
-
-
-class ConversionGuard:
-    """Mixed into every strategy layer (step.StrategyLayer)."""
-
-    def _apply(self, fn, recurse=True):
-        """What model.to(dtype or device), .half(), .double() and .cuda() run on
-        each module: refused on a wrapped layer where it would change a
-        parameter's dtype or device (fn is tried on an empty tensor like it).
-        The wrapper's own conversion, at wrap time, comes before it is wrapped."""
-        if "wrapper" in self.__dict__:
-            for name, p in ((n, p) for n, p in self._parameters.items() if p is not None):
-                converted = fn(torch.empty(0, dtype=p.dtype, device=p.device))
-                if (converted.dtype, converted.device) != (p.dtype, p.device):
-                    raise RuntimeError(f"{self.path}.{name}: converting the model after wrapping ({p.dtype} on "
-                                       f"{p.device} to {converted.dtype} on {converted.device}) would leave the "
-                                       "strategy stepping its own buffers while the module computes with the "
-                                       "converted copies, which never train; convert the module before wrapping it "
-                                       "(the wrapper's device= places it, mixed_precision= sets the dtype it "
-                                       "computes in)")
-        return super()._apply(fn, recurse)
-
-
-def check_backward_once(ctx, path):
-    """A layer's backward: one per forward, from loss.backward()."""
-    if not ctx.param_grads:
-        raise RuntimeError(f"{path}: torch.autograd.grad (or backward(inputs=...)) through a strategy's "
-                           "layers: each layer's backward hands its parameters' grads to the strategy, which "
-                           "cannot leave them out as torch does; call loss.backward() (an input that requires "
-                           "grad gets its x.grad) and keep the grads you need")
-    if getattr(ctx, "backward_ran", False):
-        raise RuntimeError(f"{path}: a second backward through the same forward (backward(retain_graph="
-                           "True), then backward again): a strategy sends each layer's grads once per forward, "
-                           "as torch DDP does; add the losses and call backward once, or run the forward again")
-    ctx.backward_ran = True
