@@ -220,7 +220,9 @@ class Unsharding:
         return [u for u in self.gathered if u not in keep]
 
     def free(self, unit):
-        """A unit's gathered values: released, and their memory gone (its gather waited for)."""
+        """A unit's gathered values: released, and their memory gone (its gather
+        waited for). Only what the gather filled: the parameters in views[unit]
+        (zero3: those other ranks own; what this rank owns keeps its values)."""
         del self.gathered[unit]
         for p, _, released in self.views[unit]:
             p.data = released  # reading a freed buffer would read memory that is gone
