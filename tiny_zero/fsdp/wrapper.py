@@ -76,8 +76,8 @@ class FSDP(Unsharding, Wrapper):
         local = self.slice_buffer(sum(size(u) for u in units))
         start = 0
         for unit in units:
-            self.slice_start[unit], self.slices[unit] = start, local[start:start + size(unit)]
-            begin = self.rank * size(unit)
+            self.slice_start[unit], begin = start, self.rank * size(unit)
+            self.slices[unit] = kept = local[start:start + size(unit)]
             for p in unit.params:
                 value = holding.full_value(self, self.name_of[p], p)
                 if not p.is_meta:
@@ -85,8 +85,8 @@ class FSDP(Unsharding, Wrapper):
                 offset, n = unit.offsets[p], p.numel()
                 lo, hi = max(offset, begin), min(offset + n, begin + size(unit))  # p's part in this slice
                 if lo < hi:
-                    self.slices[unit][lo - begin:hi - begin] = value.reshape(-1)[lo - offset:hi - offset]
-                holding.set_data(self, p, holding.released(self, p) if self.releases_params else unit.own_view(self.slices[unit], p))
+                    kept[lo - begin:hi - begin] = value.reshape(-1)[lo - offset:hi - offset]
+                holding.set_data(self, p, holding.released(self, p) if self.releases_params else unit.own_view(kept, p))
                 del value  # one full tensor at a time
             start += size(unit)
         return local
@@ -163,8 +163,8 @@ class FSDP(Unsharding, Wrapper):
     @torch.no_grad()
     def full_values(self):
         full = {}
-        for unit, tensor, start in self.unit_slices():
-            full.update(holding.full_values_of_bucket(self, unit, tensor[start:start + self.slices[unit].numel()].float()))
+        for unit, tensor, at in self.unit_slices():
+            full.update(holding.full_values_of_bucket(self, unit, tensor[at:at + self.slices[unit].numel()].float()))
         return full
 
 

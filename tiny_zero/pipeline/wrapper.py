@@ -79,7 +79,7 @@ class Pipeline(PointToPoint, Wrapper):
         copies of tied parameters that an earlier stage owns."""
         for _, p in self.named_params:
             if p not in mine:
-                holding.set_data(self, p, holding.released(self, p))  # STRATEGY: another stage's: nothing allocated here
+                holding.set_data(self, p, holding.released(self, p))  # STRATEGY: another stage's: none here
         self.trainable = [p for p in self.trainable if p in mine]
         self.frozen = [p for p in self.frozen if p in mine]
         self.tied = [p for _, p in self.named_params if p in mine and len(self.holders[p]) > 1]
@@ -88,7 +88,7 @@ class Pipeline(PointToPoint, Wrapper):
         runs = [b.params for b in make_buckets(own[::-1], bucket_bytes)]  # backward runs the last layer first
         buckets = buckets_from_runs(runs + ([copies] if copies else []))
         self.own_buckets = buckets[:len(runs)]
-        self.flat_params = holding.flatten_params(self, buckets, own + copies)  # every replica of the stage: the first's values
+        self.flat_params = holding.flatten_params(self, buckets, own + copies)  # the stage's first replica's values
         holding.keep_whole(self, self.frozen)
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.reduce_dtype)
         self.buckets = Buckets(buckets, self.reduce_dtype, self.device, flat=self.flat_grads,
