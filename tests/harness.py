@@ -97,6 +97,19 @@ def run_checks(world_size, module_name, plan, timeout=300):
     return {key: [rank[key] for rank in per_rank] for key, _, _ in plan}
 
 
+
+def check_failures(results, refusals=None):
+    """results from run_checks: each check's per-rank failure lists are
+    empty, and each key of `refusals` ({key: text}) got, on every rank, an
+    error message containing its text."""
+    refusals = refusals or {}
+    for key, per_rank in results.items():
+        if key in refusals:
+            assert all(refusals[key] in message for message in per_rank), per_rank
+        else:
+            for rank, failures in enumerate(per_rank):
+                assert not failures, f"{key}, rank {rank}: {failures}"
+
 def _checks(module_name, plan):
     module = __import__(module_name)
     return {key: getattr(module, fn)(*args) for key, fn, args in plan}

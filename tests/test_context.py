@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from harness import run_checks  # noqa: E402
+from harness import check_failures, run_checks  # noqa: E402
 
 METHODS = ("ring", "ulysses")
 
@@ -39,17 +39,8 @@ def errors_plan(size):
 
 
 def check(results):
-    for key, per_rank in results.items():
-        if key == "refused":
-            assert all("must both divide by" in message for message in per_rank), per_rank
-        elif key == "length":
-            assert all("does not split into" in message for message in per_rank), per_rank
-        elif key == "heads":
-            assert all("must both divide by" in message for message in per_rank), per_rank
-        else:
-            for rank, failures in enumerate(per_rank):
-                assert not failures, f"{key}, rank {rank}: {failures}"
-
+    check_failures(results, {"refused": "must both divide by", "length": "does not split into",
+                             "heads": "must both divide by"})
 
 def test_world2():
     check(run_checks(2, "context_checks", attention_plan(2) + model_plan("gpt", 2, 4) + model_plan("encoder", 2, 4)

@@ -19,21 +19,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from harness import run_checks  # noqa: E402
+from harness import check_failures, run_checks  # noqa: E402
 
 
 def check(results):
-    for key, per_rank in results.items():
-        if key == "refused experts":
-            assert all("3 experts do not split over ep_size=2" in message for message in per_rank), per_rank
-        elif key == "refused shared experts":
-            assert all("also holds ['shared_expert', 'shared_expert_gate']" in message for message in per_rank), per_rank
-        elif key == "refused size":
-            assert all("ep_size=3 must divide the world size 2" in message for message in per_rank), per_rank
-        else:
-            for rank, failures in enumerate(per_rank):
-                assert not failures, f"{key}, rank {rank}: {failures}"
-
+    check_failures(results, {"refused experts": "3 experts do not split over ep_size=2",
+                             "refused shared experts": "also holds ['shared_expert', 'shared_expert_gate']",
+                             "refused size": "ep_size=3 must divide the world size 2"})
 
 def test_world2():
     check(run_checks(2, "experts_checks", [
