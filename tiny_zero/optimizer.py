@@ -4,9 +4,9 @@ AdamW on what this rank holds.
 Clipping, held by Wrapper as model.clipping: clip_grad_norm_ (the
 all-reduce of the grads' squared norm, where a rank holds only part of
 them), the scale the update multiplies the grads by (unscale and clip),
-fp16's overflow flag (its all-reduce). StrategyAdamW: the optimizer every strategy's optim.py
-points at its wrapper; it steps model.shards with model.grads, per
-parameter group."""
+fp16's overflow flag (its all-reduce). StrategyAdamW: the optimizer every
+strategy's optim.py points at its wrapper; it steps model.shards with
+model.grads, per parameter group."""
 import torch
 
 from . import agreements, comm
